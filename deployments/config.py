@@ -1,0 +1,118 @@
+"""The app's configuration: one pydantic model for ``serve_config.yaml``'s ``args``.
+
+Every field has a default and a description; a bad value fails ``serve run``
+with a message naming the field. Python::
+
+    from deployments import build_app
+    serve.run(build_app({"ttl_s": 60, "default_receive_count": 2}), name="epd")
+
+YAML (``serve_config.yaml``)::
+
+    applications:
+      - name: epd
+        route_prefix: /
+        import_path: deployments.app:build_app
+        args:
+          registry_name: epd_registry
+          registry_namespace: epd
+          default_receive_count: 1
+          ttl_s: 180
+          model: {family: tiny-vit, dtype: auto, device: auto}
+
+Per-deployment Serve settings (replicas, GPUs, batching through ``user_config``)
+live in the config file's ``deployments:`` list, not here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from encoder import DTYPES, FAMILIES, EncoderSpec
+from registry import DEFAULT_REGISTRY_NAME, DEFAULT_REGISTRY_NAMESPACE, Limits, RegistrySettings
+
+_MiB = 1024 * 1024
+
+
+class ModelConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    family: str = Field("tiny-vit", description=f"Model family, one of {FAMILIES}.")
+    dtype: Literal["auto", *DTYPES] = Field(  # type: ignore[valid-type]
+        "auto", description='Compute and staging dtype; "auto" is bfloat16 on CUDA, float32 on CPU.'
+    )
+    device: str = Field("auto", description='"auto" (CUDA when the replica has a GPU, else CPU), "cpu" or "cuda".')
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="Family-specific settings (tiny-vit: seed, patch_size, max_pixels, ...)."
+    )
+
+    @model_validator(mode="after")
+    def _known_family(self) -> "ModelConfig":
+        if self.family not in FAMILIES:
+            raise ValueError(f"unknown model family {self.family!r}; choose one of {list(FAMILIES)}")
+        return self
+
+    def to_spec(self) -> EncoderSpec:
+        return EncoderSpec(family=self.family, dtype=self.dtype, device=self.device, options=dict(self.options))
+
+
+class BatchConfig(BaseModel):
+    """The Encoder deployment's ``user_config``: dynamic batching, changeable live."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_batch_size: int = Field(8, ge=1, le=512, description="Most items one forward pass takes.")
+    batch_wait_timeout_s: float = Field(
+        0.005, ge=0, le=10, description="Longest wait for a batch to fill before running it anyway."
+    )
+
+
+class AppConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    registry_name: str = Field(DEFAULT_REGISTRY_NAME, min_length=1, description="Name of the registry actor.")
+    registry_namespace: str = Field(
+        DEFAULT_REGISTRY_NAMESPACE, min_length=1, description="Ray namespace of the registry actor."
+    )
+    default_receive_count: int = Field(
+        1, ge=1, description="TP ranks that must fetch an entry before it is released, when a request does not say."
+    )
+    max_receive_count: int = Field(64, ge=1, le=4096, description="Largest receive_count a request may ask for.")
+    ttl_s: float = Field(180.0, gt=0, description="Seconds a staged entry waits for all its ranks before it expires.")
+    encode_timeout_s: float = Field(120.0, gt=0, description="Seconds an entry may stay pending before it expires.")
+    tombstone_ttl_s: float = Field(600.0, ge=0, description="Seconds an ended entry is remembered for late callers.")
+    max_tombstones: int = Field(10_000, ge=0, description="Most ended entries remembered (oldest dropped first).")
+    registry_max_concurrency: int = Field(
+        10_000, ge=16, description="Concurrent calls the registry accepts; each waiting fetch holds one."
+    )
+    max_items_per_request: int = Field(16, ge=1, description="Most media items in one encode request.")
+    max_item_bytes: int = Field(20 * _MiB, ge=1, description="Largest decoded media item, in bytes.")
+    max_request_bytes: int = Field(64 * _MiB, ge=1, description="Largest HTTP request body, in bytes (else 413).")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The vision tower to serve.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "AppConfig":
+        if self.default_receive_count > self.max_receive_count:
+            raise ValueError(
+                f"default_receive_count ({self.default_receive_count}) exceeds max_receive_count "
+                f"({self.max_receive_count})"
+            )
+        return self
+
+    def registry_settings(self, encoder_app: str) -> RegistrySettings:
+        return RegistrySettings(
+            name=self.registry_name,
+            namespace=self.registry_namespace,
+            limits=Limits(
+                ttl_s=self.ttl_s,
+                encode_timeout_s=self.encode_timeout_s,
+                max_receive_count=self.max_receive_count,
+                tombstone_ttl_s=self.tombstone_ttl_s,
+                max_tombstones=self.max_tombstones,
+            ),
+            default_receive_count=self.default_receive_count,
+            encoder_app=encoder_app,
+            encoder_deployment="Encoder",
+            max_concurrency=self.registry_max_concurrency,
+        )

@@ -1,0 +1,89 @@
+"""The ``Encoder`` deployment: GPU (or CPU) replicas running the vision tower with dynamic batching.
+
+Each call encodes one item. Decoding and preprocessing run per call, outside the
+batch, so a bad image fails alone; ``@serve.batch`` then gathers prepared items
+from all callers into forward passes. Batch size and wait are the deployment's
+``user_config`` (``BatchConfig``) and can change without a restart.
+
+The result, an ``EncodedItem``, is returned by value: the registry actor is the
+caller, so it owns the resulting object and the staged bytes survive this
+replica's death.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+from ray import serve
+from ray.serve import metrics
+
+from deployments.config import BatchConfig, ModelConfig
+from encoder import EncodedItem, MediaError, PreparedItem, build_encoder
+from registry.errors import InvalidRequest
+
+_FORWARD_BOUNDARIES_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5]
+_BATCH_BOUNDARIES = [1, 2, 4, 8, 16, 32, 64, 128]
+
+
+@serve.deployment(
+    name="Encoder",
+    max_ongoing_requests=64,
+    user_config=BatchConfig().model_dump(),
+    ray_actor_options={"num_cpus": 1},
+)
+class Encoder:
+    def __init__(self, model: dict[str, Any] | None = None):
+        self._config = ModelConfig.model_validate(model or {})
+        self._encoder = build_encoder(self._config.to_spec())
+        self._items = 0
+        self._batches = 0
+        self._batch_size = metrics.Histogram(
+            "epd_encoder_batch_size", "Items per forward pass.", boundaries=_BATCH_BOUNDARIES
+        )
+        self._forward_s = metrics.Histogram(
+            "epd_encoder_forward_s", "Seconds per batched forward pass.", boundaries=_FORWARD_BOUNDARIES_S
+        )
+        self._items_total = metrics.Counter("epd_encoder_items_total", "Items encoded by this replica.")
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        batch = BatchConfig.model_validate(user_config or {})
+        self._encode_batch.set_max_batch_size(batch.max_batch_size)
+        self._encode_batch.set_batch_wait_timeout_s(batch.batch_wait_timeout_s)
+
+    async def encode(self, data: bytes) -> EncodedItem:
+        """Embed one media item given as raw bytes."""
+        if not isinstance(data, (bytes, bytearray)):
+            raise InvalidRequest(f"encode takes the item's raw bytes, got {type(data).__name__}")
+        try:
+            prepared = await asyncio.to_thread(self._encoder.preprocess, bytes(data))
+        except MediaError as exc:
+            raise InvalidRequest(str(exc)) from None
+        return await self._encode_batch(prepared)
+
+    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.005)
+    async def _encode_batch(self, items: list[PreparedItem]) -> list[EncodedItem]:
+        start = time.perf_counter()
+        # Off the event loop, so requests keep queueing for the next batch meanwhile.
+        encoded = await asyncio.to_thread(self._encoder.encode_batch, items)
+        self._forward_s.observe(time.perf_counter() - start)
+        self._batch_size.observe(len(items))
+        self._items_total.inc(len(items))
+        self._items += len(items)
+        self._batches += 1
+        return encoded
+
+    async def ready(self) -> dict[str, Any]:
+        """The model is loaded (the constructor finished); what runs where."""
+        return {
+            "family": self._config.family,
+            "device": str(self._encoder.device),
+            "dtype": str(self._encoder.dtype).removeprefix("torch."),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        }
+
+    async def stats(self) -> dict[str, int]:
+        """Work done by this replica: items encoded and forward passes run."""
+        return {"items_encoded": self._items, "batches": self._batches, "pid": os.getpid()}

@@ -1,0 +1,176 @@
+"""The ``Ingress`` deployment: the HTTP API (FastAPI, OpenAPI at ``/docs``) and the Python handle.
+
+``serve.get_app_handle("epd").encode.remote(body)`` and ``POST /v1/encode`` run
+the same code: validate, unwrap the media bytes, hand them to the registry actor
+(which calls the encoder and owns the results), answer with the entry.
+
+Errors: every failure is a ``RegistryError``; HTTP clients get
+``{"error": {"code", "message", "req_id"?}}`` with the status from
+``registry.errors.HTTP_STATUS`` (5xx messages masked); handle callers get the
+exception itself.
+"""
+
+
+import asyncio
+import hashlib
+import json
+import uuid
+from typing import Any
+
+import ray
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from deployments.config import AppConfig
+from deployments.schemas import EncodeRequest, ErrorResponse, RequestState, parse_encode_request
+from encoder import MediaError, item_bytes
+from registry import get_or_create_registry
+from registry.errors import (
+    HTTP_STATUS,
+    InvalidRequest,
+    PayloadTooLarge,
+    RegistryError,
+    Unavailable,
+    http_status,
+    unwrap,
+)
+
+_HEALTH_TIMEOUT_S = 5.0
+_RETRY_AFTER_S = "1"
+
+api = FastAPI(
+    title="epd-encoder",
+    summary="Encoder service for disaggregated multimodal LLM serving on Ray",
+    version="0.1.0",
+)
+_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse} for status in sorted(set(HTTP_STATUS.values()))
+}
+
+
+def error_response(error: RegistryError) -> JSONResponse:
+    status = http_status(error)
+    headers = {"Retry-After": _RETRY_AFTER_S} if status in (429, 503) else None
+    return JSONResponse(error.to_dict(mask=status >= 500), status_code=status, headers=headers)
+
+
+@api.exception_handler(RegistryError)
+async def _on_registry_error(_: Request, exc: RegistryError) -> JSONResponse:
+    return error_response(exc)
+
+
+@api.exception_handler(RequestValidationError)
+async def _on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:10])
+    return error_response(InvalidRequest(f"invalid request: {problems}"))
+
+
+def _as_registry_error(exc: BaseException) -> BaseException:
+    exc = unwrap(exc)
+    if isinstance(exc, ray.exceptions.RayActorError):
+        return Unavailable(f"the registry actor is not reachable ({type(exc).__name__}); retry shortly")
+    return exc
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, refusing more than ``limit`` bytes before buffering them."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"the request body is {declared} bytes; the limit is {limit} (max_request_bytes)")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"the request body exceeds the limit of {limit} bytes (max_request_bytes)")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+@serve.deployment(name="Ingress", max_ongoing_requests=512, ray_actor_options={"num_cpus": 0.25})
+@serve.ingress(api)
+class Ingress:
+    def __init__(self, encoder: DeploymentHandle, config: dict[str, Any]):
+        self._config = AppConfig.model_validate(config)
+        self._encoder = encoder
+        settings = self._config.registry_settings(encoder_app=serve.get_replica_context().app_name)
+        self._registry = get_or_create_registry(settings)
+        # Blocking is fine here: the replica serves nothing until its constructor returns.
+        ray.get(self._registry.configure.remote(settings))
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        try:
+            return await getattr(self._registry, method).remote(*args)
+        except Exception as exc:  # noqa: BLE001 - re-raised as the project's error
+            raise _as_registry_error(exc) from None
+
+    # --- Python handle ------------------------------------------------------------
+
+    async def encode(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Encode and stage ``body`` (the ``POST /v1/encode`` body); returns the entry."""
+        return await self._encode(parse_encode_request(body))
+
+    async def _encode(self, request: EncodeRequest) -> dict[str, Any]:
+        cfg = self._config
+        req_id = request.req_id or uuid.uuid4().hex
+        if len(request.items) > cfg.max_items_per_request:
+            raise InvalidRequest(
+                f"{len(request.items)} items in one request; the limit is {cfg.max_items_per_request}", req_id
+            )
+        blobs, digest = [], hashlib.sha256()
+        for index, item in enumerate(request.items):
+            try:
+                data = item_bytes(item.model_dump(), cfg.max_item_bytes)
+            except MediaError as exc:
+                raise InvalidRequest(f"items[{index}]: {exc}", req_id) from None
+            digest.update(len(data).to_bytes(8, "little"))
+            digest.update(data)
+            blobs.append(data)
+        return await self._call("submit", req_id, blobs, digest.hexdigest(), request.receive_count, request.wait)
+
+    # --- HTTP ---------------------------------------------------------------------
+
+    @api.post(
+        "/v1/encode",
+        response_model=RequestState,
+        responses={202: {"model": RequestState, "description": "Accepted, still pending (wait=false)."}, **_ERROR_RESPONSES},
+        openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": EncodeRequest.model_json_schema()}}}},
+    )
+    async def post_encode(self, request: Request) -> JSONResponse:
+        """Encode media items and stage their embeddings for `receive_count` TP ranks."""
+        raw = await _read_body(request, self._config.max_request_bytes)
+        try:
+            body = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
+        out = await self.encode(body)
+        return JSONResponse(out, status_code=202 if out["state"] == "pending" else 200)
+
+    @api.get("/v1/requests/{req_id}", response_model=RequestState, responses=_ERROR_RESPONSES)
+    async def get_request(self, req_id: str, wait_s: float = Query(0.0, ge=0, le=3600)) -> dict[str, Any]:
+        """The state of a request; with `wait_s`, wait up to that long while it is pending."""
+        return await self._call("describe", req_id, wait_s)
+
+    @api.delete("/v1/requests/{req_id}", response_model=RequestState, responses=_ERROR_RESPONSES)
+    async def delete_request(self, req_id: str) -> dict[str, Any]:
+        """Cancel a pending or staged request; its embeddings are dropped."""
+        return await self._call("cancel", req_id)
+
+    @api.get("/v1/stats")
+    async def get_stats(self) -> dict[str, int]:
+        """Registry counters: pending, staged, staged_bytes, and totals by outcome."""
+        return await self._call("stats")
+
+    @api.get("/health")
+    async def health(self) -> JSONResponse:
+        """200 once the model is loaded and the registry answers; else 503."""
+        try:
+            registry, encoder = await asyncio.wait_for(
+                asyncio.gather(self._call("ping"), self._encoder.ready.remote()), _HEALTH_TIMEOUT_S
+            )
+        except Exception as exc:  # noqa: BLE001 - any failure means not healthy
+            reason = str(_as_registry_error(exc)) or type(exc).__name__
+            return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
+        return JSONResponse({"status": "ok", "encoder": encoder, "registry": registry})

@@ -1,0 +1,98 @@
+"""HTTP request and response bodies (also what the Python handle takes and returns).
+
+Strict on purpose: ``"receive_count": "2"`` or ``"wait": "yes"`` are refused,
+not guessed at, and unknown fields are errors so typos do not pass silently.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from registry.errors import InvalidRequest
+
+REQ_ID_PATTERN = r"^[A-Za-z0-9._:\-]{1,128}$"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class ImageURL(_Strict):
+    url: str = Field(description='"data:image/<format>;base64,<bytes>".')
+
+
+class ImageURLItem(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class ImageItem(_Strict):
+    type: Literal["image"]
+    image: str = Field(description="The image file's bytes, base64 encoded.")
+
+
+Item = Annotated[Union[ImageURLItem, ImageItem], Field(discriminator="type")]
+
+
+class EncodeRequest(_Strict):
+    req_id: str | None = Field(
+        None, pattern=REQ_ID_PATTERN, description="Your id for the request (generated when absent); 1-128 of [A-Za-z0-9._:-]."
+    )
+    receive_count: int | None = Field(
+        None, ge=1, description="Distinct TP ranks that will fetch it; the app's default_receive_count when absent."
+    )
+    items: list[Item] = Field(min_length=1, description="Media items, in order.")
+    wait: bool = Field(True, description="true: answer once staged (200); false: answer at once (202, pending).")
+
+
+class ItemMeta(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    index: int
+    mm_hash: str
+    shape: list[int]
+    dtype: str
+    nbytes: int
+
+
+class RequestState(BaseModel):
+    """What ``/v1/encode`` and ``/v1/requests/{req_id}`` return."""
+
+    model_config = ConfigDict(extra="allow")
+
+    req_id: str
+    state: Literal["pending", "staged", "released", "expired", "cancelled", "failed"]
+    receive_count: int
+    received_ranks: list[int]
+    items: list[ItemMeta]
+
+
+class ErrorBody(BaseModel):
+    code: str
+    message: str
+    req_id: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+def parse_encode_request(body: Any) -> EncodeRequest:
+    """Validate a request body (dict from JSON or from a Python caller)."""
+    if not isinstance(body, dict):
+        raise InvalidRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+    try:
+        return EncodeRequest.model_validate(body)
+    except ValidationError as exc:
+        raise InvalidRequest(describe_validation_error(exc), body.get("req_id") if isinstance(body.get("req_id"), str) else None) from None
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """One line per problem, each naming the field: ``items.0.type: ...``."""
+    problems = []
+    for err in exc.errors()[:10]:
+        where = ".".join(str(part) for part in err["loc"]) or "body"
+        problems.append(f"{where}: {err['msg']}")
+    return "invalid request: " + "; ".join(problems)

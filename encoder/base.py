@@ -1,0 +1,64 @@
+"""The contract every vision tower implements, and the batch loop around it.
+
+A ``VisionEncoder`` has two hooks:
+
+* ``preprocess(data)``: bytes of one item -> ``PreparedItem`` (CPU only, may raise
+  ``MediaError``); runs per item, outside the batch, so a bad item fails alone;
+* ``forward(pixels, batch_key)``: a stacked batch of items that share a
+  ``batch_key`` -> one embedding per item, on the encoder's device and dtype.
+
+``encode_batch`` is shared: it groups items by ``batch_key``, runs one forward
+per group under ``torch.inference_mode`` and hands back ``EncodedItem``s in
+input order. New model families (issue 3) add a subclass and an entry in
+``encoder.loader``.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+from collections import defaultdict
+from typing import Sequence
+
+import torch
+
+from encoder.types import EncodedItem, PreparedItem
+
+
+class VisionEncoder(abc.ABC):
+    """A vision tower plus its preprocessing, on one device and dtype."""
+
+    #: Changes whenever the embeddings for the same bytes could change (family,
+    #: weights, preprocessing settings); it is part of every ``mm_hash``.
+    identity: str
+    device: torch.device
+    dtype: torch.dtype
+
+    @abc.abstractmethod
+    def preprocess(self, data: bytes) -> PreparedItem:
+        """Decode and preprocess one item's bytes; raise ``MediaError`` if unusable."""
+
+    @abc.abstractmethod
+    def forward(self, pixels: torch.Tensor, batch_key: tuple) -> Sequence[torch.Tensor]:
+        """Embed a stacked batch (already on ``device``/``dtype``); one tensor per item."""
+
+    def mm_hash(self, data: bytes) -> str:
+        """Content hash of the item bytes under this model and its preprocessing."""
+        digest = hashlib.blake2b(data, digest_size=16, person=b"epd-mm-hash")
+        digest.update(self.identity.encode())
+        return digest.hexdigest()
+
+    def encode_batch(self, items: Sequence[PreparedItem]) -> list[EncodedItem]:
+        """Embed ``items`` (any mix of shapes) and return them in input order."""
+        groups: dict[tuple, list[int]] = defaultdict(list)
+        for index, item in enumerate(items):
+            groups[item.batch_key].append(index)
+        out: list[EncodedItem | None] = [None] * len(items)
+        with torch.inference_mode():
+            for key, indices in groups.items():
+                pixels = torch.stack([items[i].pixels for i in indices])
+                pixels = pixels.to(self.device, self.dtype, non_blocking=True)
+                embeddings = self.forward(pixels, key)
+                for i, embedding in zip(indices, embeddings, strict=True):
+                    out[i] = EncodedItem.from_tensor(embedding, items[i])
+        return out  # type: ignore[return-value]

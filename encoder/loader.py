@@ -1,0 +1,73 @@
+"""Building a ``VisionEncoder`` from a plain spec, and choosing its device.
+
+The serving layer validates user config (pydantic, at the edge) and hands this
+module an ``EncoderSpec``. Families are looked up by name so a new one is one
+entry in ``_FAMILIES``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+
+from encoder.base import VisionEncoder
+from encoder.tiny_vit import TinyViTConfig, TinyViTEncoder
+from encoder.types import torch_dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class EncoderSpec:
+    """Which model to build and where. ``options`` are family-specific settings."""
+
+    family: str = "tiny-vit"
+    dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 on CPU
+    device: str = "auto"  # "auto": CUDA when torch sees a GPU, else CPU
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def resolve_device(requested: str) -> torch.device:
+    """The device to run on. Ray sets CUDA_VISIBLE_DEVICES for ``num_gpus`` replicas;
+    torch then sees exactly the assigned GPU, so ask torch, not Ray (a CPU machine
+    that Ray was told has fake GPUs must still run on the CPU)."""
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(requested)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"model device {requested!r} was asked for but torch sees no GPU; "
+            'use device: "auto" or give the replica num_gpus: 1'
+        )
+    return device
+
+
+def resolve_dtype(requested: str, device: torch.device) -> torch.dtype:
+    if requested == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return torch_dtype(requested)
+
+
+def _tiny_vit(spec: EncoderSpec, device: torch.device, dtype: torch.dtype) -> VisionEncoder:
+    known = {f.name for f in dataclasses.fields(TinyViTConfig)}
+    unknown = set(spec.options) - known
+    if unknown:
+        raise ValueError(f"unknown tiny-vit options {sorted(unknown)}; known: {sorted(known)}")
+    return TinyViTEncoder(TinyViTConfig(**spec.options), device, dtype)
+
+
+_FAMILIES: dict[str, Callable[[EncoderSpec, torch.device, torch.dtype], VisionEncoder]] = {
+    "tiny-vit": _tiny_vit,
+}
+
+FAMILIES = tuple(_FAMILIES)
+
+
+def build_encoder(spec: EncoderSpec) -> VisionEncoder:
+    """Build the encoder ``spec`` names; raise ``ValueError`` with a fix on bad specs."""
+    try:
+        factory = _FAMILIES[spec.family]
+    except KeyError:
+        raise ValueError(f"unknown model family {spec.family!r}; choose one of {FAMILIES}") from None
+    device = resolve_device(spec.device)
+    return factory(spec, device, resolve_dtype(spec.dtype, device))

@@ -1,0 +1,22 @@
+"""The staged-embedding registry: its actor, state machine, errors and the decoder-side receiver."""
+
+from registry import errors
+from registry.errors import RegistryError
+from registry.lookup import get_or_create_registry, lookup_registry
+from registry.receiver import EmbeddingReceiver, ReceivedItem
+from registry.settings import DEFAULT_REGISTRY_NAME, DEFAULT_REGISTRY_NAMESPACE, RegistrySettings
+from registry.state import Limits, RegistryState
+
+__all__ = [
+    "DEFAULT_REGISTRY_NAME",
+    "DEFAULT_REGISTRY_NAMESPACE",
+    "EmbeddingReceiver",
+    "Limits",
+    "ReceivedItem",
+    "RegistryError",
+    "RegistrySettings",
+    "RegistryState",
+    "errors",
+    "get_or_create_registry",
+    "lookup_registry",
+]

@@ -1,0 +1,272 @@
+"""The registry actor: a thin async shell around ``RegistryState``.
+
+One detached, named actor per app is the single source of truth for staged
+embeddings. It adds to the state machine only what needs a process:
+
+* it *calls the encoder deployment itself*, so the ObjectRefs of the results are
+  owned by this actor (a handle call's result ref belongs to the caller) and the
+  staged bytes outlive the replica that computed them;
+* waiting (fetch before staging, ``wait`` on encode and describe) is an
+  ``asyncio.Event`` per ``req_id`` set on every change, never a polling loop;
+* one timer task sleeps until the next deadline and expires entries.
+
+It never blocks its event loop: everything is ``await``ed, and the one blocking
+Serve call (building the handle) runs in a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import time
+from collections import Counter as _Count
+from typing import Any
+
+import ray
+from ray import serve
+
+from registry.errors import (
+    EncodeFailed,
+    InvalidRequest,
+    NotReady,
+    Overloaded,
+    RegistryError,
+    Unavailable,
+    unwrap,
+)
+from registry.metrics import RegistryMetrics
+from registry.settings import RegistrySettings
+from registry.state import PENDING, RELEASED, STAGED, RegistryState, StagedItem, ended_error
+
+MAX_WAIT_S = 3600.0
+
+
+def _check_wait(value: float, name: str, req_id: str | None) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_WAIT_S or math.isnan(value):
+        raise InvalidRequest(f"{name} must be a number of seconds between 0 and {MAX_WAIT_S:.0f}, got {value!r}", req_id)
+    return float(value)
+
+
+def _encode_error(exc: BaseException, req_id: str, index: int) -> RegistryError:
+    """Map whatever one item's encode raised to a registry error naming the item."""
+    exc = unwrap(exc)
+    if isinstance(exc, RegistryError):
+        return type(exc)(f"items[{index}]: {exc.message}", req_id, exc.details)
+    name = type(exc).__name__
+    if name == "BackPressureError":  # Serve's max_queued_requests was hit
+        return Overloaded(f"items[{index}]: the encoder queue is full; retry later", req_id)
+    if name in ("DeploymentUnavailableError", "RayServeException"):
+        return Unavailable(f"items[{index}]: the encoder deployment is not available: {exc}", req_id)
+    return EncodeFailed(f"items[{index}]: {name}: {exc}", req_id)
+
+
+class EmbeddingRegistry:
+    """Actor class; create it with ``get_or_create_registry``."""
+
+    def __init__(self, settings: RegistrySettings):
+        self._settings = settings
+        self._state = RegistryState(settings.limits)
+        self._metrics = RegistryMetrics(settings.name)
+        self._changed: dict[str, asyncio.Event] = {}
+        self._waiting: _Count[str] = _Count()
+        self._encode_tasks: dict[str, asyncio.Task] = {}
+        self._timer_wake = asyncio.Event()
+        self._timer: asyncio.Task | None = None
+        self._encoder: Any = None
+        self._started_at = time.time()
+
+    # --- control ------------------------------------------------------------------
+
+    async def configure(self, settings: RegistrySettings) -> None:
+        """Apply the app's current settings (the actor may predate this deployment)."""
+        if (settings.encoder_app, settings.encoder_deployment) != (
+            self._settings.encoder_app, self._settings.encoder_deployment,
+        ):
+            self._encoder = None
+        self._settings = settings
+        self._state.limits = settings.limits
+        self._timer_wake.set()
+
+    async def ping(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "started_at": self._started_at, "name": self._settings.name}
+
+    async def stats(self) -> dict[str, int]:
+        stats = self._state.stats(time.time())
+        stats["waiting_calls"] = sum(self._waiting.values())
+        stats["encodes_in_flight"] = len(self._encode_tasks)
+        return stats
+
+    # --- ingress ------------------------------------------------------------------
+
+    async def submit(
+        self, req_id: str, items: list[bytes], digest: str, receive_count: int | None, wait: bool
+    ) -> dict[str, Any]:
+        """Accept an encode (or join the live one with this req_id) and return its description.
+
+        With ``wait`` it returns once the entry left ``pending``; a failed, cancelled
+        or expired outcome raises that error.
+        """
+        self._ensure_timer()
+        count = self._settings.default_receive_count if receive_count is None else receive_count
+        try:
+            entry, created = self._state.accept(req_id, digest, count, time.time())
+        except RegistryError as exc:
+            self._count_error(exc)
+            self._metrics.encode_requests.inc(tags={"result": "rejected"})
+            raise
+        self._metrics.encode_requests.inc(tags={"result": "accepted" if created else "duplicate"})
+        if created:
+            self._encode_tasks[req_id] = asyncio.create_task(self._run_encode(req_id, items, entry.created_at))
+            self._changed_now(req_id)
+        while wait and entry.state == PENDING:
+            await self._wait_change(req_id, None)
+        if entry.state in (PENDING, STAGED, RELEASED):
+            return entry.describe()
+        raise entry.error if entry.error is not None else ended_error(entry)
+
+    async def describe(self, req_id: str, wait_s: float = 0.0) -> dict[str, Any]:
+        """The entry's description; with ``wait_s`` wait up to that long while it is pending."""
+        deadline = time.monotonic() + _check_wait(wait_s, "wait_s", req_id)
+        while True:
+            try:
+                entry = self._state.get(req_id, time.time())
+            except RegistryError:
+                entry = None
+            remaining = deadline - time.monotonic()
+            if (entry is not None and entry.state != PENDING) or remaining <= 0:
+                if entry is None:
+                    return self._state.get(req_id, time.time()).describe()  # raises unknown_request
+                return entry.describe()
+            await self._wait_change(req_id, remaining)
+
+    async def cancel(self, req_id: str) -> dict[str, Any]:
+        """Cancel a pending or staged entry; an ended one is described unchanged."""
+        entry = self._state.cancel(req_id, time.time())
+        self._changed_now(req_id)
+        return entry.describe()
+
+    # --- ranks --------------------------------------------------------------------
+
+    async def fetch(self, req_id: str, rank: int, timeout_s: float) -> list[tuple[dict[str, Any], ray.ObjectRef]]:
+        """Wait until ``req_id`` is staged, count ``rank`` as a receiver, return (meta, ref) per item.
+
+        The caller becomes a borrower of the refs, so it keeps the bytes alive after
+        the registry releases them.
+        """
+        deadline = time.monotonic() + _check_wait(timeout_s, "timeout_s", req_id)
+        while True:
+            try:
+                result = self._state.fetch(req_id, rank, time.time())
+            except RegistryError as exc:
+                self._metrics.fetches.inc(tags={"result": exc.code})
+                self._count_error(exc)
+                raise
+            if result is not None:
+                self._metrics.fetches.inc(tags={"result": "released" if result.released else "ok"})
+                if result.released:
+                    self._changed_now(req_id)
+                return [(item.meta, item.ref) for item in result.items]
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._metrics.fetches.inc(tags={"result": NotReady.code})
+                error = NotReady(f"req_id {req_id} was not staged within {timeout_s}s", req_id)
+                self._count_error(error)
+                raise error
+            await self._wait_change(req_id, remaining)
+
+    # --- encoding -----------------------------------------------------------------
+
+    async def _run_encode(self, req_id: str, items: list[bytes], accepted_at: float) -> None:
+        try:
+            encoder = await self._encoder_handle()
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(self._encode_item(encoder, req_id, i, data)) for i, data in enumerate(items)]
+            staged = [task.result() for task in tasks]
+        except asyncio.CancelledError:
+            return  # the entry was cancelled or expired; the item calls were cancelled too
+        except Exception as exc:  # noqa: BLE001 - every failure must end the entry
+            first = exc.exceptions[0] if isinstance(exc, ExceptionGroup) else exc
+            error = first if isinstance(first, RegistryError) else Unavailable(
+                f"the encoder deployment cannot be reached: {first}", req_id
+            )
+            if self._state.fail(req_id, error, time.time()):
+                self._count_error(error)
+            self._changed_now(req_id)
+            return
+        finally:
+            self._encode_tasks.pop(req_id, None)
+        if self._state.stage(req_id, staged, time.time()):
+            self._metrics.encode_latency.observe(time.time() - accepted_at)
+        else:
+            self._metrics.late_results.inc()  # refs in `staged` are dropped right here
+        self._changed_now(req_id)
+
+    async def _encode_item(self, encoder: Any, req_id: str, index: int, data: bytes) -> StagedItem:
+        response = encoder.encode.remote(data)
+        try:
+            ref = await response._to_object_ref()
+            # Read the value once for its metadata; on the same node this maps the
+            # payload without copying it, and the mapping is dropped on return.
+            encoded = await ref
+        except asyncio.CancelledError:
+            response.cancel()
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise _encode_error(exc, req_id, index) from None
+        return StagedItem(meta=encoded.meta, ref=ref)
+
+    async def _encoder_handle(self) -> Any:
+        if self._encoder is None:
+            s = self._settings
+            self._encoder = await asyncio.to_thread(
+                serve.get_deployment_handle, s.encoder_deployment, s.encoder_app, _check_exists=False
+            )
+        return self._encoder
+
+    # --- waiting and time ---------------------------------------------------------
+
+    def _changed_now(self, req_id: str) -> None:
+        """Something about ``req_id`` changed: wake its waiters, the timer, the gauges."""
+        event = self._changed.pop(req_id, None)
+        if event is not None:
+            event.set()
+        encode_task = self._encode_tasks.get(req_id)
+        if encode_task is not None and not self._state.is_live(req_id):
+            encode_task.cancel()  # cancelled or expired while encoding: stop the model work
+        self._timer_wake.set()
+        self._metrics.sync(self._state.stats(time.time()))
+
+    async def _wait_change(self, req_id: str, timeout: float | None) -> None:
+        event = self._changed.setdefault(req_id, asyncio.Event())
+        self._waiting[req_id] += 1
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        except TimeoutError:
+            pass
+        finally:
+            self._waiting[req_id] -= 1
+            if not self._waiting[req_id]:
+                del self._waiting[req_id]
+                if self._changed.get(req_id) is event:
+                    del self._changed[req_id]
+
+    def _ensure_timer(self) -> None:
+        if self._timer is None or self._timer.done():
+            self._timer = asyncio.create_task(self._expire_loop())
+
+    async def _expire_loop(self) -> None:
+        while True:
+            deadline = self._state.next_deadline()
+            timeout = None if deadline is None else max(0.0, deadline - time.time())
+            try:
+                await asyncio.wait_for(self._timer_wake.wait(), timeout)
+            except TimeoutError:
+                pass
+            self._timer_wake.clear()
+            for req_id in self._state.expire_due(time.time()):
+                self._changed_now(req_id)
+                self._timer_wake.clear()
+
+    def _count_error(self, error: RegistryError) -> None:
+        self._metrics.errors.inc(tags={"code": error.code})

@@ -1,0 +1,108 @@
+"""The decoder side: a TP rank fetching its request's embeddings.
+
+::
+
+    rx = EmbeddingReceiver(rank=tp_rank)          # in each rank's process
+    items = rx.fetch(req_id, timeout_s=30.0)      # or: await rx.fetch_async(...)
+    items[0].tensor, items[0].meta
+
+A fetch is two steps: ask the registry (which waits until the request is staged,
+records this rank, and hands back ObjectRefs), then read the objects. Reading is
+zero-copy on the same node: ``.tensor`` views the object store's read-only
+memory, bfloat16 included. Do not write to it in place (``.clone()`` first).
+The tensor keeps the object alive for as long as it lives, even after the
+registry released the entry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import ray
+import torch
+from ray import exceptions as ray_exc
+
+from encoder.types import EncodedItem
+from registry.errors import NotReady, RegistryError, Unavailable, unwrap
+from registry.lookup import lookup_registry
+
+# Extra seconds on top of the registry's own timeout before giving up on the call.
+_CALL_GRACE_S = 10.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReceivedItem:
+    """One item of a request: its embedding and its metadata (``index``, ``mm_hash``,
+    ``shape``, ``dtype``, ``nbytes`` and model fields such as ``grid``)."""
+
+    tensor: torch.Tensor
+    meta: dict[str, Any]
+
+
+def _translate(exc: BaseException, req_id: str) -> BaseException:
+    exc = unwrap(exc)
+    if isinstance(exc, RegistryError):
+        return exc
+    if isinstance(exc, (ray_exc.ObjectLostError, ray_exc.OwnerDiedError)):
+        return Unavailable(
+            f"the staged embeddings of req_id {req_id} were lost (the registry restarted or their node died); "
+            "encode the request again",
+            req_id,
+        )
+    if isinstance(exc, ray_exc.RayActorError):
+        return Unavailable(f"the registry actor is not reachable ({type(exc).__name__}); retry shortly", req_id)
+    if isinstance(exc, ray_exc.GetTimeoutError):
+        return NotReady(f"fetching req_id {req_id} timed out", req_id)
+    return exc
+
+
+def _items(pairs: list[tuple[dict[str, Any], Any]], values: list[EncodedItem]) -> list[ReceivedItem]:
+    return [ReceivedItem(tensor=value.tensor(), meta=meta) for (meta, _), value in zip(pairs, values, strict=True)]
+
+
+class EmbeddingReceiver:
+    """Fetches staged embeddings for one TP rank.
+
+    ``rank`` is this process's rank (0-based, below the request's
+    ``receive_count``). ``registry_name``/``registry_namespace`` default to the
+    app's defaults (or ``EPD_REGISTRY_NAME``/``EPD_REGISTRY_NAMESPACE``).
+    Errors are ``registry.errors.RegistryError`` subclasses with a ``.code``.
+    """
+
+    def __init__(self, rank: int, *, registry_name: str | None = None, registry_namespace: str | None = None):
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"rank must be an integer >= 0, got {rank!r}")
+        self.rank = rank
+        self._name = registry_name
+        self._namespace = registry_namespace
+        self._registry: ray.actor.ActorHandle | None = None
+
+    def _handle(self) -> ray.actor.ActorHandle:
+        if self._registry is None:
+            self._registry = lookup_registry(self._name, self._namespace)
+        return self._registry
+
+    def fetch(self, req_id: str, timeout_s: float = 30.0) -> list[ReceivedItem]:
+        """Blocking fetch. In an async actor use ``fetch_async`` (this would block its loop)."""
+        try:
+            pairs = ray.get(self._handle().fetch.remote(req_id, self.rank, timeout_s), timeout=timeout_s + _CALL_GRACE_S)
+            values = ray.get([ref for _, ref in pairs], timeout=_CALL_GRACE_S + timeout_s)
+        except Exception as exc:  # noqa: BLE001 - translated to the project's errors
+            self._forget_if_dead(exc)
+            raise _translate(exc, req_id) from None
+        return _items(pairs, values)
+
+    async def fetch_async(self, req_id: str, timeout_s: float = 30.0) -> list[ReceivedItem]:
+        """``fetch`` for event loops (async actors, FastAPI handlers)."""
+        try:
+            pairs = await self._handle().fetch.remote(req_id, self.rank, timeout_s)
+            values = [await ref for _, ref in pairs]
+        except Exception as exc:  # noqa: BLE001
+            self._forget_if_dead(exc)
+            raise _translate(exc, req_id) from None
+        return _items(pairs, values)
+
+    def _forget_if_dead(self, exc: BaseException) -> None:
+        if isinstance(exc, ray_exc.RayActorError):
+            self._registry = None  # look it up again next time (it may have restarted)

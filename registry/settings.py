@@ -1,0 +1,42 @@
+"""Registry settings, and the one place environment variables are read.
+
+Decoder ranks find the registry by name and namespace. The defaults below are
+the ones ``serve_config.yaml`` ships with; ``EPD_REGISTRY_NAME`` and
+``EPD_REGISTRY_NAMESPACE`` override them for receivers in processes that do not
+see the app config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from registry.state import Limits
+
+DEFAULT_REGISTRY_NAME = "epd_registry"
+DEFAULT_REGISTRY_NAMESPACE = "epd"
+ENV_REGISTRY_NAME = "EPD_REGISTRY_NAME"
+ENV_REGISTRY_NAMESPACE = "EPD_REGISTRY_NAMESPACE"
+
+
+def registry_address(name: str | None = None, namespace: str | None = None) -> tuple[str, str]:
+    """(name, namespace) of the registry: explicit arguments, else env, else defaults."""
+    return (
+        name or os.environ.get(ENV_REGISTRY_NAME) or DEFAULT_REGISTRY_NAME,
+        namespace or os.environ.get(ENV_REGISTRY_NAMESPACE) or DEFAULT_REGISTRY_NAMESPACE,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class RegistrySettings:
+    """Everything the registry actor needs. Built by the app from its config."""
+
+    name: str = DEFAULT_REGISTRY_NAME
+    namespace: str = DEFAULT_REGISTRY_NAMESPACE
+    limits: Limits = Limits()
+    default_receive_count: int = 1
+    # Where the registry sends encode work: a Serve deployment, by app and name.
+    encoder_app: str = "epd"
+    encoder_deployment: str = "Encoder"
+    # Each waiting fetch holds one actor call slot; size for ranks x requests in flight.
+    max_concurrency: int = 10_000

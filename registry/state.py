@@ -1,0 +1,347 @@
+"""The staged-embedding lifecycle: the registry's rules, in plain Python.
+
+One ``Entry`` per ``req_id``::
+
+    (new) --accept--> pending --stage--> staged --last distinct rank fetched--> released
+                      pending --fail---> failed
+           pending | staged --cancel---> cancelled
+           pending | staged --expire---> expired
+
+``released``, ``expired``, ``cancelled`` and ``failed`` are terminal: the entry
+drops its object refs at once and stays only as a *tombstone* (metadata, no refs)
+so a late caller learns what happened instead of waiting. Tombstones are bounded
+by age (``tombstone_ttl_s``) and by number (``max_tombstones``, oldest first).
+Any other transition is a bug and raises ``IllegalTransition``.
+
+Rules:
+
+* ``receive_count`` (1..``max_receive_count``) is fixed at accept; receivers are
+  ranks ``0 .. receive_count-1``. Release happens exactly when the last distinct
+  rank fetches; a repeated fetch by a rank returns the same items and does not
+  count again.
+* Deadlines: a pending entry expires ``encode_timeout_s`` after accept; a staged
+  entry ``ttl_s`` after staging. ``expire_due`` applies them.
+* Accepting a live ``req_id`` again with the same request (items digest and
+  receive_count) returns the existing entry; with a different one it is a
+  ``conflict``. A released ``req_id`` cannot be reused (``already_released``);
+  one that failed, expired or was cancelled can be encoded afresh.
+* A result that arrives for an entry no longer pending (cancelled, expired, or
+  unknown after a restart) is refused: ``stage``/``fail`` return False and the
+  caller drops the refs, so nothing is staged that nobody owns.
+
+Who calls what: the ingress ``accept``s, ``cancel``s and ``describe``s; the
+registry's encode task ``stage``s or ``fail``s; ranks ``fetch``; a timer calls
+``expire_due`` at ``next_deadline``. Time is passed in (``now``, seconds) so tests
+drive the clock. ``fetch`` returning ``None`` means "not yet": the caller waits
+for a change to that ``req_id`` (the actor uses events, never polling).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+from collections import OrderedDict
+from typing import Any, Iterable
+
+from registry.errors import (
+    AlreadyReleased,
+    Cancelled,
+    Conflict,
+    EncodeFailed,
+    Expired,
+    InvalidRank,
+    InvalidRequest,
+    RegistryError,
+    UnknownRequest,
+)
+
+PENDING, STAGED, RELEASED, EXPIRED, CANCELLED, FAILED = (
+    "pending", "staged", "released", "expired", "cancelled", "failed",
+)
+LIVE_STATES = (PENDING, STAGED)
+TERMINAL_STATES = (RELEASED, EXPIRED, CANCELLED, FAILED)
+
+_ALLOWED = {
+    PENDING: {STAGED, FAILED, CANCELLED, EXPIRED},
+    STAGED: {RELEASED, CANCELLED, EXPIRED},
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A transition the lifecycle forbids was attempted: a bug in the caller."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    ttl_s: float = 180.0
+    encode_timeout_s: float = 120.0
+    max_receive_count: int = 64
+    tombstone_ttl_s: float = 600.0
+    max_tombstones: int = 10_000
+
+
+@dataclasses.dataclass(slots=True)
+class StagedItem:
+    """One staged embedding: its metadata and the handle of its bytes (an ObjectRef)."""
+
+    meta: dict[str, Any]
+    ref: Any
+
+
+@dataclasses.dataclass(slots=True)
+class Entry:
+    req_id: str
+    digest: str
+    receive_count: int
+    created_at: float
+    state: str = PENDING
+    deadline: float = 0.0
+    items: list[StagedItem] | None = None  # set only while staged
+    metas: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    received: dict[int, float] = dataclasses.field(default_factory=dict)  # rank -> first fetch
+    staged_at: float | None = None
+    ended_at: float | None = None
+    error: RegistryError | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(m.get("nbytes", 0)) for m in self.metas)
+
+    def describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "req_id": self.req_id,
+            "state": self.state,
+            "receive_count": self.receive_count,
+            "received_ranks": sorted(self.received),
+            "items": [dict(m) for m in self.metas],
+            "created_at": self.created_at,
+            "staged_at": self.staged_at,
+            "ended_at": self.ended_at,
+        }
+        if self.error is not None:
+            out["error"] = {"code": self.error.code, "message": self.error.public_message()}
+        return out
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FetchResult:
+    items: list[StagedItem]
+    released: bool
+
+
+class RegistryState:
+    """The table of entries and tombstones. Not thread-safe: one event loop owns it."""
+
+    def __init__(self, limits: Limits = Limits()):
+        self.limits = limits
+        self._live: dict[str, Entry] = {}
+        self._ended: OrderedDict[str, Entry] = OrderedDict()  # oldest end first
+        self._deadlines: list[tuple[float, int, str]] = []  # heap; stale rows skipped
+        self._seq = itertools.count()
+        # Kept incrementally so stats are O(1) on every change.
+        self._live_counts = dict.fromkeys(LIVE_STATES, 0)
+        self._staged_bytes = 0
+        self._live_refs = 0
+        self.totals = dict.fromkeys(("accepted", "staged", *TERMINAL_STATES), 0)
+
+    # --- ingress ------------------------------------------------------------------
+
+    def accept(self, req_id: str, digest: str, receive_count: int, now: float) -> tuple[Entry, bool]:
+        """Create a pending entry, or return the live one for a retry. -> (entry, created)."""
+        if not 1 <= receive_count <= self.limits.max_receive_count:
+            raise InvalidRequest(
+                f"receive_count must be between 1 and {self.limits.max_receive_count}, got {receive_count}",
+                req_id,
+            )
+        live = self._live.get(req_id)
+        if live is not None:
+            if live.digest != digest or live.receive_count != receive_count:
+                raise Conflict(
+                    f"req_id {req_id} is already {live.state} with different items or receive_count; "
+                    "use a new req_id for a different request",
+                    req_id,
+                )
+            return live, False
+        self._prune(now)
+        ended = self._ended.get(req_id)
+        if ended is not None:
+            if ended.state == RELEASED:
+                raise ended_error(ended)
+            del self._ended[req_id]  # failed/expired/cancelled: a fresh attempt is allowed
+        entry = Entry(req_id, digest, receive_count, created_at=now)
+        self._live[req_id] = entry
+        self._live_counts[PENDING] += 1
+        self._set_deadline(entry, now + self.limits.encode_timeout_s)
+        self.totals["accepted"] += 1
+        return entry, True
+
+    def cancel(self, req_id: str, now: float) -> Entry:
+        """Cancel a live entry (dropping its refs); an ended entry is returned as is."""
+        entry = self._live.get(req_id)
+        if entry is not None:
+            self._end(entry, CANCELLED, now)
+            return entry
+        return self.get(req_id, now)
+
+    def get(self, req_id: str, now: float) -> Entry:
+        self._prune(now)
+        entry = self._live.get(req_id) or self._ended.get(req_id)
+        if entry is None:
+            raise UnknownRequest(f"no request with req_id {req_id} is known (or its record has aged out)", req_id)
+        return entry
+
+    # --- encode task --------------------------------------------------------------
+
+    def stage(self, req_id: str, items: list[StagedItem], now: float) -> bool:
+        """Stage the encoded items. False: the entry is no longer pending; drop them."""
+        entry = self._live.get(req_id)
+        if entry is None:
+            return False
+        self._move(entry, STAGED)
+        entry.items = [StagedItem({"index": i, **item.meta}, item.ref) for i, item in enumerate(items)]
+        entry.metas = [item.meta for item in entry.items]
+        entry.staged_at = now
+        self._staged_bytes += entry.nbytes
+        self._live_refs += len(items)
+        self._set_deadline(entry, now + self.limits.ttl_s)
+        self.totals["staged"] += 1
+        return True
+
+    def fail(self, req_id: str, error: RegistryError, now: float) -> bool:
+        """Record a failed encode. False: the entry is no longer pending."""
+        entry = self._live.get(req_id)
+        if entry is None:
+            return False
+        entry.error = error
+        self._end(entry, FAILED, now)
+        return True
+
+    # --- ranks --------------------------------------------------------------------
+
+    def fetch(self, req_id: str, rank: int, now: float) -> FetchResult | None:
+        """Record ``rank`` as a receiver and return the items; None: not staged yet."""
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise InvalidRank(f"rank must be an integer >= 0, got {rank!r}", req_id)
+        entry = self._live.get(req_id)
+        if entry is None:
+            self._prune(now)
+            entry = self._ended.get(req_id)
+            if entry is None:
+                return None
+        if rank >= entry.receive_count:
+            raise InvalidRank(
+                f"rank {rank} is out of range: req_id {req_id} has receive_count={entry.receive_count}, "
+                f"so ranks are 0..{entry.receive_count - 1}",
+                req_id,
+            )
+        if entry.state == PENDING:
+            return None
+        if entry.state != STAGED:
+            raise ended_error(entry)
+        assert entry.items is not None
+        items = entry.items
+        entry.received.setdefault(rank, now)
+        if len(entry.received) < entry.receive_count:
+            return FetchResult(items, released=False)
+        self._end(entry, RELEASED, now)
+        return FetchResult(items, released=True)
+
+    # --- timer --------------------------------------------------------------------
+
+    def next_deadline(self) -> float | None:
+        while self._deadlines:
+            deadline, _, req_id = self._deadlines[0]
+            entry = self._live.get(req_id)
+            if entry is not None and entry.deadline == deadline:
+                return deadline
+            heapq.heappop(self._deadlines)  # stale: entry ended or got a new deadline
+        return None
+
+    def expire_due(self, now: float) -> list[str]:
+        """End every live entry whose deadline has passed; return their req_ids."""
+        expired = []
+        while (deadline := self.next_deadline()) is not None and deadline <= now:
+            _, _, req_id = heapq.heappop(self._deadlines)
+            self._end(self._live[req_id], EXPIRED, now)
+            expired.append(req_id)
+        self._prune(now)
+        return expired
+
+    # --- views --------------------------------------------------------------------
+
+    def live_entries(self) -> Iterable[Entry]:
+        return self._live.values()
+
+    def is_live(self, req_id: str) -> bool:
+        return req_id in self._live
+
+    def stats(self, now: float) -> dict[str, int]:
+        self._prune(now)
+        return {
+            "pending": self._live_counts[PENDING],
+            "staged": self._live_counts[STAGED],
+            "staged_bytes": self._staged_bytes,
+            "live_refs": self._live_refs,
+            "tombstones": len(self._ended),
+            **{f"{name}_total": count for name, count in self.totals.items()},
+        }
+
+    # --- internals ----------------------------------------------------------------
+
+    def _move(self, entry: Entry, new_state: str) -> None:
+        if new_state not in _ALLOWED.get(entry.state, ()):
+            raise IllegalTransition(f"{entry.req_id}: {entry.state} -> {new_state} is not allowed")
+        self._live_counts[entry.state] -= 1
+        if new_state in self._live_counts:
+            self._live_counts[new_state] += 1
+        entry.state = new_state
+
+    def _end(self, entry: Entry, new_state: str, now: float) -> None:
+        if entry.state == STAGED:
+            self._staged_bytes -= entry.nbytes
+            self._live_refs -= len(entry.items or ())
+        self._move(entry, new_state)
+        entry.items = None  # the registry's refs go here; readers keep their own
+        entry.ended_at = now
+        del self._live[entry.req_id]
+        self._ended[entry.req_id] = entry
+        self.totals[new_state] += 1
+        self._prune(now)
+
+    def _set_deadline(self, entry: Entry, deadline: float) -> None:
+        entry.deadline = deadline
+        heapq.heappush(self._deadlines, (deadline, next(self._seq), entry.req_id))
+
+    def _prune(self, now: float) -> None:
+        horizon = now - self.limits.tombstone_ttl_s
+        ended = self._ended
+        while ended and (len(ended) > self.limits.max_tombstones or next(iter(ended.values())).ended_at <= horizon):
+            ended.popitem(last=False)
+
+
+def ended_error(entry: Entry) -> RegistryError:
+    """The error a caller gets for an entry in a terminal state."""
+    req_id, when = entry.req_id, entry.ended_at
+    if entry.state == RELEASED:
+        ranks = sorted(entry.received)
+        return AlreadyReleased(
+            f"req_id {req_id} was released at {when:.3f} after ranks {ranks} received it",
+            req_id,
+            {"received_ranks": ranks, "released_at": when},
+        )
+    if entry.state == EXPIRED:
+        return Expired(
+            f"req_id {req_id} expired at {when:.3f} before every rank received it "
+            f"(ranks that did: {sorted(entry.received)}); encode it again",
+            req_id,
+            {"received_ranks": sorted(entry.received), "expired_at": when},
+        )
+    if entry.state == CANCELLED:
+        return Cancelled(f"req_id {req_id} was cancelled at {when:.3f}", req_id, {"cancelled_at": when})
+    cause = entry.error
+    return EncodeFailed(
+        f"encoding req_id {req_id} failed: [{cause.code if cause else 'unknown'}] {cause}",
+        req_id,
+        {"cause": {"code": cause.code, "message": cause.message} if cause else None},
+    )

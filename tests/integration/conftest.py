@@ -1,0 +1,80 @@
+"""One real local Ray cluster (fake GPUs) with the epd app deployed, shared by the session.
+
+Every test runs under ``no_leaks``: afterwards the registry holds nothing and the
+object store is back to where it was before the test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+import pathlib
+import socket
+
+import httpx
+import pytest
+import ray
+from ray import serve
+
+from deployments import build_app
+from registry import lookup_registry
+from support import APP_ARGS, RankActor, object_store_usage, registry_stats, wait_until
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclasses.dataclass
+class Cluster:
+    url: str
+    http: httpx.Client
+    ranks: list
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    # Workers import the test helpers (RankActor) from tests/.
+    tests_dir = str(pathlib.Path(__file__).resolve().parents[1])
+    ray.init(
+        num_cpus=8,
+        num_gpus=2,
+        namespace="epd-tests",
+        include_dashboard=False,
+        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")]))}},
+    )
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    app = build_app(
+        APP_ARGS,
+        deployment_options={
+            # A fake GPU: Ray schedules and sets CUDA_VISIBLE_DEVICES; torch still runs on the CPU.
+            "Encoder": {"ray_actor_options": {"num_gpus": 1, "num_cpus": 0}},
+            "Ingress": {"ray_actor_options": {"num_cpus": 0}},
+        },
+    )
+    serve.run(app, name="epd", route_prefix="/")
+    url = f"http://127.0.0.1:{port}"
+    ranks = [RankActor.remote(r) for r in range(4)]
+    with httpx.Client(base_url=url, timeout=60) as http:
+        wait_until(lambda: http.get("/health").status_code == 200, 60, what="/health to answer 200")
+        yield Cluster(url=url, http=http, ranks=ranks)
+    serve.shutdown()
+    ray.kill(lookup_registry())
+    ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(cluster):
+    gc.collect()
+    baseline_bytes, _ = object_store_usage()
+    yield
+    gc.collect()
+    wait_until(
+        lambda: (s := registry_stats())["pending"] == 0 and s["staged"] == 0 and s["live_refs"] == 0,
+        20, what="the registry to be empty",
+    )
+    wait_until(lambda: object_store_usage()[0] <= baseline_bytes, 20, what=f"object store back to {baseline_bytes} bytes")

@@ -1,0 +1,80 @@
+"""Staged embeddings outlive the encoder replica that computed them; entries expire on TTL."""
+
+import hashlib
+import os
+import signal
+import time
+
+import pytest
+import ray
+from ray import serve
+
+from registry import EmbeddingReceiver, Limits, RegistrySettings, get_or_create_registry
+from registry.errors import Expired
+from support import MODEL_SPEC, image_bytes, image_item, reference_embedding, wait_until
+
+
+def _replica_pid(encoder):
+    try:
+        return encoder.stats.remote().result(timeout_s=5)["pid"]
+    except Exception:  # noqa: BLE001 - the replica is still being replaced
+        return None
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+def test_kill_encoder_replica_after_staging_every_rank_still_fetches(cluster):
+    encoder = serve.get_deployment_handle("Encoder", app_name="epd")
+    pid = _replica_pid(encoder)
+    images = [image_bytes(224, 224, seed=21), image_bytes(320, 240, seed=22)]
+    body = {"req_id": "survive-1", "receive_count": 3, "items": [image_item(d) for d in images]}
+    assert cluster.http.post("/v1/encode", json=body).json()["state"] == "staged"
+
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: not _alive(pid), 10, what="the replica process to die")
+
+    results = ray.get([rank.fetch.remote("survive-1", digests=True) for rank in cluster.ranks[:3]])
+    expected = [hashlib.sha256(reference_embedding(d, **MODEL_SPEC).tobytes()).hexdigest() for d in images]
+    for result in results:
+        assert "error" not in result, result
+        assert result["bytes"] == expected
+
+    # Serve replaces the replica, and the service encodes again.
+    new_pid = wait_until(lambda: (p := _replica_pid(encoder)) not in (None, pid) and p, 60, what="a new replica")
+    assert new_pid != pid
+    body = {"req_id": "survive-2", "receive_count": 1, "items": [image_item(images[0])]}
+    assert cluster.http.post("/v1/encode", json=body).json()["state"] == "staged"
+    assert ray.get(cluster.ranks[0].fetch.remote("survive-2", digests=True))["bytes"] == expected[:1]
+
+
+def test_entry_not_fully_received_within_ttl_expires_and_frees_memory(cluster):
+    settings = RegistrySettings(
+        name="ttl_test_registry", namespace="epd-tests", limits=Limits(ttl_s=1.0), encoder_app="epd"
+    )
+    registry = get_or_create_registry(settings)
+    try:
+        data = image_bytes(224, 224, seed=23)
+        out = ray.get(registry.submit.remote("ttl-1", [data], "digest-ttl-1", 2, True))
+        assert out["state"] == "staged"
+        rank0 = EmbeddingReceiver(0, registry_name=settings.name, registry_namespace=settings.namespace)
+        rank1 = EmbeddingReceiver(1, registry_name=settings.name, registry_namespace=settings.namespace)
+        assert rank0.fetch("ttl-1")[0].meta["shape"] == [196, 512]
+        start = time.monotonic()
+        wait_until(lambda: ray.get(registry.stats.remote())["expired_total"] == 1, 10, what="the entry to expire")
+        assert time.monotonic() - start < 3.0
+        with pytest.raises(Expired) as info:
+            rank1.fetch("ttl-1", timeout_s=1)
+        assert info.value.details["received_ranks"] == [0]
+        stats = ray.get(registry.stats.remote())
+        assert (stats["staged"], stats["live_refs"], stats["staged_bytes"]) == (0, 0, 0)
+        described = ray.get(registry.describe.remote("ttl-1"))
+        assert described["state"] == "expired"
+    finally:
+        ray.kill(registry)

@@ -1,0 +1,48 @@
+"""The error hierarchy: stable codes, one status table, pickling across processes."""
+
+import pickle
+
+import pytest
+
+from registry import errors
+
+CONTRACT = {
+    "invalid_request": 422, "invalid_rank": 422, "payload_too_large": 413, "unknown_request": 404,
+    "conflict": 409, "already_released": 410, "expired": 410, "cancelled": 410, "not_ready": 504,
+    "overloaded": 429, "unavailable": 503, "encode_failed": 500,
+}
+
+
+def test_status_table_is_the_contract():
+    assert errors.HTTP_STATUS == CONTRACT
+    assert set(errors.ERRORS_BY_CODE) == set(CONTRACT)
+
+
+@pytest.mark.parametrize("code", sorted(CONTRACT))
+def test_every_error_pickles_with_its_fields(code):
+    cls = errors.ERRORS_BY_CODE[code]
+    original = cls("what to fix", "req-1", {"received_ranks": [0, 1]})
+    copy = pickle.loads(pickle.dumps(original))
+    assert type(copy) is cls and isinstance(copy, errors.RegistryError)
+    assert (copy.code, copy.message, copy.req_id, copy.details) == (code, "what to fix", "req-1", {"received_ranks": [0, 1]})
+    assert errors.http_status(copy) == CONTRACT[code]
+
+
+def test_error_body_and_masking():
+    err = errors.EncodeFailed("CUDA OOM in layer 3", "r1", {"cause": "x"})
+    assert err.to_dict() == {"error": {"code": "encode_failed", "message": "CUDA OOM in layer 3", "req_id": "r1", "details": {"cause": "x"}}}
+    masked = err.to_dict(mask=True)["error"]
+    assert "CUDA" not in masked["message"] and "r1" in masked["message"] and "details" not in masked
+    assert errors.NotReady("wait longer").to_dict() == {"error": {"code": "not_ready", "message": "wait longer"}}
+
+
+def test_unwrap_returns_the_cause_of_a_ray_style_wrapper():
+    cause = errors.Expired("gone", "r")
+
+    class Wrapper(Exception):
+        def __init__(self):
+            self.cause = cause
+
+    assert errors.unwrap(Wrapper()) is cause
+    plain = ValueError("x")
+    assert errors.unwrap(plain) is plain

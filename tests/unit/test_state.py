@@ -1,0 +1,199 @@
+"""The registry's lifecycle rules, driven directly with a fake clock (no Ray)."""
+
+import pickle
+
+import pytest
+
+from registry.errors import (
+    AlreadyReleased,
+    Cancelled,
+    Conflict,
+    EncodeFailed,
+    Expired,
+    InvalidRank,
+    InvalidRequest,
+    UnknownRequest,
+)
+from registry.state import IllegalTransition, Limits, RegistryState, StagedItem
+
+
+def staged_items(n=2, nbytes=100):
+    return [StagedItem({"mm_hash": f"h{i}", "shape": [4, 8], "dtype": "float32", "nbytes": nbytes}, f"ref{i}") for i in range(n)]
+
+
+@pytest.fixture
+def state():
+    return RegistryState(Limits(ttl_s=10, encode_timeout_s=5, max_receive_count=8, tombstone_ttl_s=100, max_tombstones=3))
+
+
+def stage_new(state, req_id="r", receive_count=2, now=0.0, n=2):
+    state.accept(req_id, "d", receive_count, now)
+    assert state.stage(req_id, staged_items(n), now)
+
+
+def test_accept_creates_pending_and_retry_joins_it(state):
+    entry, created = state.accept("r", "digest", 2, 0.0)
+    assert created and entry.state == "pending"
+    again, created_again = state.accept("r", "digest", 2, 1.0)
+    assert again is entry and not created_again
+    assert state.stats(1.0)["pending"] == 1
+    assert state.stats(1.0)["accepted_total"] == 1
+
+
+@pytest.mark.parametrize("count", [0, -1, 9])
+def test_receive_count_out_of_bounds_is_invalid_request(state, count):
+    with pytest.raises(InvalidRequest, match="receive_count must be between 1 and 8"):
+        state.accept("r", "d", count, 0.0)
+    with pytest.raises(UnknownRequest):
+        state.get("r", 0.0)
+
+
+@pytest.mark.parametrize("digest,count", [("other", 2), ("d", 3)])
+def test_same_req_id_with_different_request_is_conflict(state, digest, count):
+    state.accept("r", "d", 2, 0.0)
+    with pytest.raises(Conflict) as info:
+        state.accept("r", digest, count, 0.0)
+    assert info.value.code == "conflict" and info.value.req_id == "r"
+
+
+def test_release_exactly_after_last_distinct_rank(state):
+    stage_new(state, receive_count=3)
+    first = state.fetch("r", 0, 1.0)
+    assert first is not None and not first.released and len(first.items) == 2
+    again = state.fetch("r", 0, 1.5)  # a retry by rank 0 does not count again
+    assert again is not None and not again.released and again.items == first.items
+    assert state.get("r", 1.5).state == "staged"
+    assert not state.fetch("r", 2, 2.0).released
+    last = state.fetch("r", 1, 3.0)
+    assert last.released and [i.ref for i in last.items] == ["ref0", "ref1"]
+    entry = state.get("r", 3.0)
+    assert entry.state == "released" and entry.items is None
+    assert state.stats(3.0)["live_refs"] == 0
+
+
+def test_items_carry_their_index(state):
+    stage_new(state, receive_count=1, n=3)
+    result = state.fetch("r", 0, 1.0)
+    assert [item.meta["index"] for item in result.items] == [0, 1, 2]
+
+
+def test_fetch_after_release_names_ranks_and_time(state):
+    stage_new(state, receive_count=2)
+    state.fetch("r", 1, 1.0)
+    state.fetch("r", 0, 2.0)
+    with pytest.raises(AlreadyReleased) as info:
+        state.fetch("r", 0, 3.0)
+    assert info.value.details == {"received_ranks": [0, 1], "released_at": 2.0}
+    assert "ranks [0, 1]" in info.value.message
+
+
+@pytest.mark.parametrize("rank", [-1, 2, 5, "0", 1.0, True])
+def test_invalid_rank(state, rank):
+    stage_new(state, receive_count=2)
+    with pytest.raises(InvalidRank):
+        state.fetch("r", rank, 1.0)
+    assert state.get("r", 1.0).received == {}
+
+
+def test_fetch_of_pending_or_unknown_means_wait(state):
+    assert state.fetch("nobody", 0, 0.0) is None
+    state.accept("r", "d", 2, 0.0)
+    assert state.fetch("r", 0, 0.0) is None
+    with pytest.raises(InvalidRank):  # bounds are known once accepted, even while pending
+        state.fetch("r", 2, 0.0)
+
+
+def test_staged_entry_expires_after_ttl(state):
+    stage_new(state, receive_count=2, now=1.0)
+    state.fetch("r", 0, 2.0)
+    assert state.next_deadline() == 11.0
+    assert state.expire_due(10.9) == []
+    assert state.expire_due(11.0) == ["r"]
+    with pytest.raises(Expired) as info:
+        state.fetch("r", 1, 12.0)
+    assert info.value.details["received_ranks"] == [0]
+    assert state.stats(12.0)["expired_total"] == 1 and state.stats(12.0)["live_refs"] == 0
+
+
+def test_pending_entry_expires_after_encode_timeout_and_late_result_is_dropped(state):
+    state.accept("r", "d", 1, 0.0)
+    assert state.next_deadline() == 5.0
+    assert state.expire_due(5.0) == ["r"]
+    assert state.stage("r", staged_items(), 6.0) is False
+    assert state.fail("r", EncodeFailed("boom", "r"), 6.0) is False
+    assert state.get("r", 6.0).state == "expired"
+    assert state.stats(6.0)["staged"] == 0
+
+
+def test_cancel_pending_and_staged(state):
+    state.accept("p", "d", 1, 0.0)
+    assert state.cancel("p", 1.0).state == "cancelled"
+    assert state.stage("p", staged_items(), 2.0) is False  # encode finished after cancel: dropped
+    stage_new(state, "s", receive_count=2)
+    assert state.cancel("s", 1.0).state == "cancelled"
+    with pytest.raises(Cancelled):
+        state.fetch("s", 0, 2.0)
+    assert state.cancel("s", 3.0).state == "cancelled"  # idempotent
+    with pytest.raises(UnknownRequest):
+        state.cancel("never", 0.0)
+    assert state.stats(3.0)["cancelled_total"] == 2
+
+
+def test_failed_entry_reports_cause_and_can_be_retried(state):
+    state.accept("r", "d", 2, 0.0)
+    assert state.fail("r", InvalidRequest("items[0]: not an image", "r"), 1.0)
+    with pytest.raises(EncodeFailed) as info:
+        state.fetch("r", 0, 2.0)
+    assert info.value.details["cause"] == {"code": "invalid_request", "message": "items[0]: not an image"}
+    described = state.get("r", 2.0).describe()
+    assert described["state"] == "failed" and described["error"]["code"] == "invalid_request"
+    entry, created = state.accept("r", "d2", 2, 3.0)
+    assert created and entry.state == "pending"
+
+
+def test_released_req_id_cannot_be_reused(state):
+    stage_new(state, receive_count=1)
+    state.fetch("r", 0, 1.0)
+    with pytest.raises(AlreadyReleased):
+        state.accept("r", "d", 1, 2.0)
+
+
+def test_terminal_states_never_change(state):
+    stage_new(state, receive_count=1)
+    state.fetch("r", 0, 1.0)
+    entry = state.get("r", 1.0)
+    for target in ("staged", "pending", "expired", "cancelled"):
+        with pytest.raises(IllegalTransition):
+            state._move(entry, target)
+    assert entry.state == "released"
+
+
+def test_tombstones_bounded_by_count_and_age(state):
+    for i in range(5):
+        stage_new(state, f"r{i}", receive_count=1, now=float(i))
+        state.fetch(f"r{i}", 0, float(i))
+    assert state.stats(5.0)["tombstones"] == 3
+    with pytest.raises(UnknownRequest):  # oldest dropped first
+        state.get("r0", 5.0)
+    assert state.get("r4", 5.0).state == "released"
+    assert state.stats(200.0)["tombstones"] == 0
+    assert state.fetch("r4", 0, 200.0) is None  # aged out: unknown again
+
+
+def test_stats_track_staged_bytes_and_refs(state):
+    stage_new(state, "a", receive_count=1, n=2)
+    state.accept("b", "d", 1, 0.0)
+    stats = state.stats(0.0)
+    assert (stats["pending"], stats["staged"], stats["staged_bytes"], stats["live_refs"]) == (1, 1, 200, 2)
+    state.fetch("a", 0, 1.0)
+    stats = state.stats(1.0)
+    assert (stats["staged"], stats["staged_bytes"], stats["live_refs"], stats["released_total"]) == (0, 0, 0, 1)
+
+
+def test_describe_lists_items_and_ranks(state):
+    stage_new(state, receive_count=2)
+    state.fetch("r", 1, 1.0)
+    out = state.get("r", 1.0).describe()
+    assert out["state"] == "staged" and out["received_ranks"] == [1]
+    assert [m["index"] for m in out["items"]] == [0, 1] and out["items"][0]["nbytes"] == 100
+    pickle.dumps(out)  # crosses process boundaries as plain data
