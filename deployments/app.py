@@ -1,4 +1,4 @@
-"""``build_app``: the application builder that ``serve_config.yaml`` names."""
+"""Building the Serve application: ``build_app`` for config files, ``compose_app`` for Python."""
 
 from __future__ import annotations
 
@@ -16,22 +16,27 @@ from deployments.schemas import describe_validation_error
 _DEPLOYMENTS = {"Encoder": Encoder, "Ingress": Ingress}
 
 
-def build_app(
+def build_app(args: dict[str, Any]) -> Application:
+    """The builder ``serve_config.yaml`` names: validate ``args`` (see ``AppConfig``), build the app.
+
+    YAML: ``import_path: deployments.app:build_app``, the ``AppConfig`` keys under ``args``,
+    Serve options per deployment under ``deployments:``.
+    """
+    return compose_app(args)
+
+
+def compose_app(
     args: dict[str, Any] | None = None, *, deployment_options: dict[str, dict[str, Any]] | None = None
 ) -> Application:
-    """Validate ``args`` (see ``AppConfig``) and return the app: Ingress -> Encoder.
+    """The app, Ingress -> Encoder, from Python.
 
     ``deployment_options`` is the Python form of the config file's ``deployments:``
     list: Serve options per deployment name, e.g.
-    ``{"Encoder": {"num_replicas": 2, "ray_actor_options": {"num_gpus": 1}}}``.
-
-    Python::
+    ``{"Encoder": {"num_replicas": 2, "ray_actor_options": {"num_gpus": 1}}}``::
 
         from ray import serve
-        from deployments import build_app
-        serve.run(build_app({"default_receive_count": 2}), name="epd", route_prefix="/")
-
-    YAML: ``import_path: deployments.app:build_app`` with the same keys under ``args``.
+        from deployments import compose_app
+        serve.run(compose_app({"default_receive_count": 2}), name="epd", route_prefix="/")
     """
     try:
         config = AppConfig.model_validate(args or {})

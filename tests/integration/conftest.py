@@ -17,7 +17,7 @@ import pytest
 import ray
 from ray import serve
 
-from deployments import build_app
+from deployments import compose_app
 from registry import lookup_registry
 from support import APP_ARGS, RankActor, object_store_usage, registry_stats, wait_until
 
@@ -48,7 +48,7 @@ def cluster():
     )
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    app = build_app(
+    app = compose_app(
         APP_ARGS,
         deployment_options={
             # A fake GPU: Ray schedules and sets CUDA_VISIBLE_DEVICES; torch still runs on the CPU.

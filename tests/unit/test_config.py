@@ -5,7 +5,9 @@ import pathlib
 import pytest
 import yaml
 
-from deployments import AppConfig, BatchConfig, build_app
+import inspect
+
+from deployments import AppConfig, BatchConfig, build_app, compose_app
 from deployments.schemas import parse_encode_request
 from registry.errors import InvalidRequest
 from registry.settings import registry_address
@@ -62,7 +64,12 @@ def test_bad_app_args_name_the_field(args, message):
 
 def test_unknown_deployment_options_are_refused():
     with pytest.raises(ValueError, match="unknown deployments"):
-        build_app({}, deployment_options={"Encodr": {}})
+        compose_app({}, deployment_options={"Encodr": {}})
+
+
+def test_build_app_takes_exactly_one_parameter():
+    # Serve refuses config-file builders with any other signature.
+    assert len(inspect.signature(build_app).parameters) == 1
 
 
 ITEM = {"type": "image", "image": "QUJD"}

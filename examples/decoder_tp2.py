@@ -1,0 +1,87 @@
+"""A TP=2 decoder stub: two rank actors fetch the embeddings of one encoded request.
+
+Run it next to a running service (``serve run serve_config.yaml``)::
+
+    python examples/decoder_tp2.py --url http://127.0.0.1:8000
+
+It posts one image with ``receive_count: 2`` over HTTP, then each rank actor
+fetches the embeddings with ``EmbeddingReceiver`` as a prefill engine's TP
+ranks would, and prints what each got as JSON. The entry is released after
+the second rank's fetch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import io
+import json
+import urllib.request
+
+import numpy as np
+import ray
+import torch
+from PIL import Image
+
+
+@ray.remote(num_cpus=0)
+class DecoderRank:
+    """One tensor-parallel rank of a (stub) language model."""
+
+    def __init__(self, rank: int):
+        from registry import EmbeddingReceiver
+
+        self.receiver = EmbeddingReceiver(rank=rank)
+
+    async def prefill(self, req_id: str) -> dict:
+        items = await self.receiver.fetch_async(req_id, timeout_s=30.0)
+        # A real engine would scatter item.tensor into its input embeddings here.
+        return {
+            "rank": self.receiver.rank,
+            "items": [
+                {
+                    "index": item.meta["index"],
+                    "shape": list(item.tensor.shape),
+                    "dtype": str(item.tensor.dtype).removeprefix("torch."),
+                    "sha256": hashlib.sha256(item.tensor.view(torch.uint8).numpy().tobytes()).hexdigest(),
+                }
+                for item in items
+            ],
+        }
+
+
+def post_encode(url: str, image: bytes, receive_count: int) -> dict:
+    body = {
+        "receive_count": receive_count,
+        "items": [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(image).decode()}}],
+    }
+    request = urllib.request.Request(
+        f"{url}/v1/encode", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.load(response)
+
+
+def demo_image() -> bytes:
+    pixels = np.random.default_rng(0).integers(0, 256, size=(224, 320, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the epd service")
+    parser.add_argument("--address", default="auto", help="Ray cluster address (default: the local one)")
+    args = parser.parse_args()
+
+    ray.init(address=args.address)
+    staged = post_encode(args.url, demo_image(), receive_count=2)
+    ranks = [DecoderRank.remote(r) for r in range(2)]
+    results = ray.get([rank.prefill.remote(staged["req_id"]) for rank in ranks])
+    print(json.dumps({"req_id": staged["req_id"], "encoded": staged["items"], "ranks": results}))
+
+
+if __name__ == "__main__":
+    main()
