@@ -33,17 +33,21 @@ class Cluster:
     url: str
     http: httpx.Client
     ranks: list
+    metrics_url: str
 
 
 @pytest.fixture(scope="session")
 def cluster():
     # Workers import the test helpers (RankActor) from tests/.
     tests_dir = str(pathlib.Path(__file__).resolve().parents[1])
+    metrics_port = _free_port()
     ray.init(
         num_cpus=8,
         num_gpus=2,
         namespace="epd-tests",
         include_dashboard=False,
+        _metrics_export_port=metrics_port,  # Prometheus endpoint, as the dashboard reads it
+        _system_config={"metrics_report_interval_ms": 1000},
         runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")]))}},
     )
     port = _free_port()
@@ -61,7 +65,7 @@ def cluster():
     ranks = [RankActor.remote(r) for r in range(4)]
     with httpx.Client(base_url=url, timeout=60) as http:
         wait_until(lambda: http.get("/health").status_code == 200, 60, what="/health to answer 200")
-        yield Cluster(url=url, http=http, ranks=ranks)
+        yield Cluster(url=url, http=http, ranks=ranks, metrics_url=f"http://127.0.0.1:{metrics_port}/metrics")
     serve.shutdown()
     ray.kill(lookup_registry())
     ray.shutdown()

@@ -1,0 +1,68 @@
+"""Every bad input over HTTP gets its stable code and status, and stages nothing."""
+
+import base64
+
+import pytest
+
+from support import image_bytes, image_item, registry_stats
+
+PNG = image_bytes(64, 64, seed=31)
+B64 = base64.b64encode(PNG).decode()
+
+
+def body(**extra):
+    return {"items": [image_item(PNG)], **extra}
+
+
+CASES = [
+    # (id, method, path, kwargs for httpx, status, code, text in message)
+    ("malformed JSON", "POST", "/v1/encode", {"content": b'{"items": ['}, 422, "invalid_request", "not valid JSON"),
+    ("body not an object", "POST", "/v1/encode", {"json": [1, 2]}, 422, "invalid_request", "JSON object"),
+    ("no items", "POST", "/v1/encode", {"json": {}}, 422, "invalid_request", "items: Field required"),
+    ("empty items", "POST", "/v1/encode", {"json": {"items": []}}, 422, "invalid_request", "at least 1 item"),
+    ("receive_count as string", "POST", "/v1/encode", {"json": body(receive_count="2")}, 422, "invalid_request", "receive_count"),
+    ("receive_count zero", "POST", "/v1/encode", {"json": body(receive_count=0)}, 422, "invalid_request", "receive_count"),
+    ("huge receive_count", "POST", "/v1/encode", {"json": body(receive_count=10_000)}, 422, "invalid_request", "between 1 and 64"),
+    ("bad req_id", "POST", "/v1/encode", {"json": body(req_id="../etc")}, 422, "invalid_request", "req_id"),
+    ("unknown field", "POST", "/v1/encode", {"json": body(priority=1)}, 422, "invalid_request", "priority"),
+    ("unknown item type", "POST", "/v1/encode", {"json": {"items": [{"type": "audio", "audio": B64}]}}, 422, "invalid_request", "items.0"),
+    ("http url", "POST", "/v1/encode", {"json": {"items": [{"type": "image_url", "image_url": {"url": "http://169.254.169.254/x"}}]}}, 422, "invalid_request", "not enabled"),
+    ("file path", "POST", "/v1/encode", {"json": {"items": [{"type": "image_url", "image_url": {"url": "/etc/passwd"}}]}}, 422, "invalid_request", "not enabled"),
+    ("not base64", "POST", "/v1/encode", {"json": {"items": [{"type": "image", "image": "%%%"}]}}, 422, "invalid_request", "items[0]"),
+    ("not an image", "POST", "/v1/encode", {"json": {"items": [{"type": "image", "image": base64.b64encode(b"hello").decode()}]}}, 422, "invalid_request", "items[0]"),
+    ("truncated image", "POST", "/v1/encode", {"json": {"items": [image_item(PNG), image_item(PNG[:300])]}}, 422, "invalid_request", "items[1]"),
+    ("image too small", "POST", "/v1/encode", {"json": {"items": [image_item(image_bytes(8, 8))]}}, 422, "invalid_request", "at least 16"),
+    ("too many items", "POST", "/v1/encode", {"json": {"items": [image_item(PNG)] * 17}}, 422, "invalid_request", "limit is 16"),
+    ("item over max_item_bytes", "POST", "/v1/encode", {"json": {"items": [{"type": "image", "image": base64.b64encode(b"x" * (2 * 1024 * 1024 + 1)).decode()}]}}, 422, "invalid_request", "the limit is"),
+    ("body over max_request_bytes", "POST", "/v1/encode", {"content": b"x" * (4 * 1024 * 1024 + 1)}, 413, "payload_too_large", "max_request_bytes"),
+    ("unknown id", "GET", "/v1/requests/never-seen", {}, 404, "unknown_request", "never-seen"),
+    ("cancel unknown id", "DELETE", "/v1/requests/never-seen", {}, 404, "unknown_request", "never-seen"),
+    ("negative wait_s", "GET", "/v1/requests/x?wait_s=-1", {}, 422, "invalid_request", "wait_s"),
+    ("wait_s not a number", "GET", "/v1/requests/x?wait_s=soon", {}, 422, "invalid_request", "wait_s"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_gets_its_code_and_stages_nothing(cluster, case):
+    _, method, path, kwargs, status, code, text = case
+    before = registry_stats()
+    response = cluster.http.request(method, path, **kwargs)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["code"] == code and text in error["message"], error
+    after = registry_stats()
+    assert (after["pending"], after["staged"]) == (0, 0)
+    assert after["staged_total"] == before["staged_total"]
+
+
+def test_failed_encode_leaves_a_failed_tombstone(cluster):
+    response = cluster.http.post(
+        "/v1/encode", json={"req_id": "bad-image-1", "items": [{"type": "image", "image": base64.b64encode(b"junk").decode()}]}
+    )
+    assert response.status_code == 422
+    described = cluster.http.get("/v1/requests/bad-image-1").json()
+    assert described["state"] == "failed" and described["error"]["code"] == "invalid_request"
+    # A corrected retry with the same req_id is accepted.
+    retry = cluster.http.post("/v1/encode", json={"req_id": "bad-image-1", "receive_count": 1, "items": [image_item(PNG)]})
+    assert retry.status_code == 200
+    assert cluster.http.delete("/v1/requests/bad-image-1").json()["state"] == "cancelled"
