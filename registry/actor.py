@@ -25,6 +25,7 @@ from typing import Any
 
 import ray
 from ray import serve
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RayServeException
 
 from registry.errors import (
     EncodeFailed,
@@ -53,12 +54,11 @@ def _encode_error(exc: BaseException, req_id: str, index: int) -> RegistryError:
     exc = unwrap(exc)
     if isinstance(exc, RegistryError):
         return type(exc)(f"items[{index}]: {exc.message}", req_id, exc.details)
-    name = type(exc).__name__
-    if name == "BackPressureError":  # Serve's max_queued_requests was hit
+    if isinstance(exc, BackPressureError):  # the Encoder's max_queued_requests was hit
         return Overloaded(f"items[{index}]: the encoder queue is full; retry later", req_id)
-    if name in ("DeploymentUnavailableError", "RayServeException"):
+    if isinstance(exc, (DeploymentUnavailableError, RayServeException)):
         return Unavailable(f"items[{index}]: the encoder deployment is not available: {exc}", req_id)
-    return EncodeFailed(f"items[{index}]: {name}: {exc}", req_id)
+    return EncodeFailed(f"items[{index}]: {type(exc).__name__}: {exc}", req_id)
 
 
 class EmbeddingRegistry:
@@ -123,7 +123,7 @@ class EmbeddingRegistry:
             await self._wait_change(req_id, None)
         if entry.state in (PENDING, STAGED, RELEASED):
             return entry.describe()
-        raise entry.error if entry.error is not None else ended_error(entry)
+        raise entry.error.fresh() if entry.error is not None else ended_error(entry)
 
     async def describe(self, req_id: str, wait_s: float = 0.0) -> dict[str, Any]:
         """The entry's description; with ``wait_s`` wait up to that long while it is pending."""
@@ -178,6 +178,8 @@ class EmbeddingRegistry:
     # --- encoding -----------------------------------------------------------------
 
     async def _run_encode(self, req_id: str, items: list[bytes], accepted_at: float) -> None:
+        staged: list[StagedItem] = []
+        error: RegistryError | None = None
         try:
             encoder = await self._encoder_handle()
             async with asyncio.TaskGroup() as group:
@@ -190,20 +192,21 @@ class EmbeddingRegistry:
             error = first if isinstance(first, RegistryError) else Unavailable(
                 f"the encoder deployment cannot be reached: {first}", req_id
             )
+        finally:
+            # Done before the state changes below, so _changed_now never cancels this task.
+            self._encode_tasks.pop(req_id, None)
+        if error is not None:
             if self._state.fail(req_id, error, time.time()):
                 self._count_error(error)
-            self._changed_now(req_id)
-            return
-        finally:
-            self._encode_tasks.pop(req_id, None)
-        if self._state.stage(req_id, staged, time.time()):
+        elif self._state.stage(req_id, staged, time.time()):
             self._metrics.encode_latency.observe(time.time() - accepted_at)
         else:
-            self._metrics.late_results.inc()  # refs in `staged` are dropped right here
+            self._metrics.late_results.inc()  # the refs in `staged` are dropped right here
         self._changed_now(req_id)
 
     async def _encode_item(self, encoder: Any, req_id: str, index: int, data: bytes) -> StagedItem:
         response = encoder.encode.remote(data)
+        ref = None
         try:
             ref = await response._to_object_ref()
             # Read the value once for its metadata; on the same node this maps the
@@ -211,10 +214,17 @@ class EmbeddingRegistry:
             encoded = await ref
         except asyncio.CancelledError:
             response.cancel()
+            response = ref = None  # see below
             raise
         except Exception as exc:  # noqa: BLE001
-            raise _encode_error(exc, req_id, index) from None
-        return StagedItem(meta=encoded.meta, ref=ref)
+            error = _encode_error(exc, req_id, index)
+        else:
+            return StagedItem(meta=encoded.meta, ref=ref)
+        # A raised exception's traceback keeps this frame and so its locals, and asyncio
+        # tasks keep their exception in a reference cycle that only the garbage collector
+        # breaks: drop the failed call's objects before raising, or they outlive the call.
+        response = ref = None
+        raise error
 
     async def _encoder_handle(self) -> Any:
         if self._encoder is None:

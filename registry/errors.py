@@ -45,6 +45,15 @@ class RegistryError(Exception):
     def public_message(self) -> str:
         return self.message
 
+    def fresh(self) -> "RegistryError":
+        """A new instance with the same arguments and no traceback or context.
+
+        Store or re-raise this, never an exception that was raised: its traceback
+        pins the frames it passed through, with their locals (ObjectRefs, request
+        bytes), for as long as the exception is kept.
+        """
+        return type(self)(*self.args)
+
 
 class InvalidRequest(RegistryError):
     code = "invalid_request"

@@ -213,7 +213,7 @@ class RegistryState:
         entry = self._live.get(req_id)
         if entry is None:
             return False
-        entry.error = error
+        entry.error = error.fresh()  # the tombstone must not pin the failed call's frames
         self._end(entry, FAILED, now)
         return True
 

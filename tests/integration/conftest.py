@@ -19,7 +19,7 @@ from ray import serve
 
 from deployments import compose_app
 from registry import lookup_registry
-from support import APP_ARGS, RankActor, object_store_usage, registry_stats, wait_until
+from support import APP_ARGS, RankActor, object_refs_in_use, object_store_bytes_in_use, registry_stats, wait_until
 
 
 def _free_port() -> int:
@@ -74,11 +74,18 @@ def cluster():
 @pytest.fixture(autouse=True)
 def no_leaks(cluster):
     gc.collect()
-    baseline_bytes, _ = object_store_usage()
+    baseline = object_store_bytes_in_use()
     yield
     gc.collect()
     wait_until(
         lambda: (s := registry_stats())["pending"] == 0 and s["staged"] == 0 and s["live_refs"] == 0,
         20, what="the registry to be empty",
     )
-    wait_until(lambda: object_store_usage()[0] <= baseline_bytes, 20, what=f"object store back to {baseline_bytes} bytes")
+    try:
+        wait_until(
+            lambda: object_store_bytes_in_use() <= baseline, 20, interval_s=0.5,
+            what=f"object store bytes in use back to {baseline}",
+        )
+    except AssertionError:
+        held = [(oid.hex(), size, holders) for oid, (size, holders) in object_refs_in_use().items() if size > 0]
+        raise AssertionError(f"objects still referenced (id, bytes, holders): {held}") from None

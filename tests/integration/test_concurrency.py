@@ -6,7 +6,7 @@ import httpx
 import pytest
 import ray
 
-from support import image_bytes, image_item, registry_stats
+from support import image_bytes, image_item, object_store_usage, registry_stats, wait_until
 
 N_REQUESTS = 200
 
@@ -17,6 +17,7 @@ def test_200_concurrent_http_encodes_with_2_ranks_each(cluster):
     images = [image_bytes(*sizes[i % len(sizes)], seed=100 + i) for i in range(N_REQUESTS)]
     req_ids = [f"load-{i}" for i in range(N_REQUESTS)]
     before = registry_stats()
+    plasma_before, _ = object_store_usage()
 
     # The ranks start waiting first, as a decode engine would, and fetch while encodes land.
     fetches = [rank.fetch.remote(req_id, timeout_s=120, digests=True) for req_id in req_ids for rank in cluster.ranks[:2]]
@@ -41,3 +42,6 @@ def test_200_concurrent_http_encodes_with_2_ranks_each(cluster):
     after = registry_stats()
     assert after["released_total"] - before["released_total"] == N_REQUESTS
     assert after["accepted_total"] - before["accepted_total"] == N_REQUESTS
+    del results
+    # No replica churned here, so the raw shared-memory figure must come back too.
+    wait_until(lambda: object_store_usage()[0] <= plasma_before, 20, what=f"plasma usage back to {plasma_before}")

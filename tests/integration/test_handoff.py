@@ -181,3 +181,27 @@ def test_embeddings_are_owned_by_the_registry_not_the_caller(cluster):
     assert stats["live_refs"] >= 1 and stats["staged_bytes"] >= out["items"][0]["nbytes"]
     assert np.prod(out["items"][0]["shape"]) * 2 == out["items"][0]["nbytes"]
     assert "error" not in ray.get(cluster.ranks[0].fetch.remote(out["req_id"]))
+
+
+def test_cancel_while_pending_never_stages(cluster):
+    before = registry_stats()
+    req_id = new_id("cancel-early")
+    out = encode(cluster, [image_bytes(448, 448, seed=14)], receive_count=1, req_id=req_id, wait=False, expect=202)
+    assert out["state"] == "pending"
+    cancelled = cluster.http.delete(f"/v1/requests/{req_id}").json()
+    # Whether the cancel beat the encoder or not, the entry ends cancelled and holds nothing.
+    assert cancelled["state"] == "cancelled"
+    assert ray.get(cluster.ranks[0].fetch.remote(req_id))["error"] == "cancelled"
+    after = registry_stats()
+    assert after["cancelled_total"] == before["cancelled_total"] + 1
+    assert after["staged_total"] - before["staged_total"] <= 1
+
+
+def test_receiver_for_a_registry_that_does_not_exist_is_unavailable(cluster):
+    from registry import EmbeddingReceiver
+    from registry.errors import Unavailable
+
+    receiver = EmbeddingReceiver(0, registry_name="no_such_registry")
+    with pytest.raises(Unavailable) as info:
+        receiver.fetch("anything", timeout_s=1)
+    assert info.value.code == "unavailable" and "no_such_registry" in info.value.message

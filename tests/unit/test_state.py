@@ -197,3 +197,18 @@ def test_describe_lists_items_and_ranks(state):
     assert out["state"] == "staged" and out["received_ranks"] == [1]
     assert [m["index"] for m in out["items"]] == [0, 1] and out["items"][0]["nbytes"] == 100
     pickle.dumps(out)  # crosses process boundaries as plain data
+
+
+def test_failed_entry_keeps_no_traceback_of_the_failure(state):
+    state.accept("r", "d", 1, 0.0)
+
+    def failing_call():
+        big_local = bytearray(10**6)  # what a traceback would pin
+        raise InvalidRequest("items[0]: bad", "r")
+
+    try:
+        failing_call()
+    except InvalidRequest as raised:
+        state.fail("r", raised, 1.0)
+    stored = state.get("r", 1.0).error
+    assert stored.message == "items[0]: bad" and stored.__traceback__ is None and stored.__context__ is None
