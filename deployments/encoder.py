@@ -40,6 +40,7 @@ class Encoder:
         self._encoder = build_encoder(self._config.to_spec())
         self._items = 0
         self._batches = 0
+        self._batch = BatchConfig()
         self._batch_size = metrics.Histogram(
             "epd_encoder_batch_size", "Items per forward pass.", boundaries=_BATCH_BOUNDARIES
         )
@@ -49,9 +50,9 @@ class Encoder:
         self._items_total = metrics.Counter("epd_encoder_items_total", "Items encoded by this replica.")
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
-        batch = BatchConfig.model_validate(user_config or {})
-        self._encode_batch.set_max_batch_size(batch.max_batch_size)
-        self._encode_batch.set_batch_wait_timeout_s(batch.batch_wait_timeout_s)
+        self._batch = BatchConfig.model_validate(user_config or {})
+        self._encode_batch.set_max_batch_size(self._batch.max_batch_size)
+        self._encode_batch.set_batch_wait_timeout_s(self._batch.batch_wait_timeout_s)
 
     async def encode(self, data: bytes) -> EncodedItem:
         """Embed one media item given as raw bytes."""
@@ -84,6 +85,6 @@ class Encoder:
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         }
 
-    async def stats(self) -> dict[str, int]:
-        """Work done by this replica: items encoded and forward passes run."""
-        return {"items_encoded": self._items, "batches": self._batches, "pid": os.getpid()}
+    async def stats(self) -> dict[str, Any]:
+        """This replica's work (items encoded, forward passes) and batching settings."""
+        return {"items_encoded": self._items, "batches": self._batches, "pid": os.getpid(), **self._batch.model_dump()}

@@ -29,6 +29,18 @@ APP_ARGS = {
 }
 
 
+def deployment_options(**encoder_user_config: Any) -> dict[str, dict[str, Any]]:
+    """Serve options of the integration tests' app; keyword arguments change the Encoder's batching."""
+    from deployments import BatchConfig
+
+    encoder = {
+        # A fake GPU: Ray schedules and sets CUDA_VISIBLE_DEVICES; torch still runs on the CPU.
+        "ray_actor_options": {"num_gpus": 1, "num_cpus": 0},
+        "user_config": {**BatchConfig().model_dump(), **encoder_user_config},
+    }
+    return {"Encoder": encoder, "Ingress": {"ray_actor_options": {"num_cpus": 0}}}
+
+
 def image_bytes(width: int, height: int, seed: int = 0, fmt: str = "PNG") -> bytes:
     """A real encoded image of random pixels."""
     rng = np.random.default_rng(seed)
@@ -56,20 +68,21 @@ _SERVE_CONTROL_PLANE = ("ServeController", "ProxyActor")
 
 
 def object_refs_in_use() -> dict[bytes, tuple[int, list[str]]]:
-    """Every object any process of the cluster references, Serve's control plane aside:
+    """Every object the cluster's processes reference, Serve's control plane aside:
     object id -> (size in bytes, or -1 when unknown; holders as "Class:pid").
 
-    Serve's controller and HTTP proxies are left out: the controller keeps an
-    object of about 110 KB per replica it manages until it forgets the replica,
-    and the proxy keeps 15-byte objects from past requests (both measured here).
-    That is Serve's bookkeeping, not data this project stages, and it would make
-    the check depend on replica churn and HTTP history.
+    Left out, because they are Serve's bookkeeping and move with replica churn,
+    config updates and HTTP history, not with data this project stages (all seen
+    here): what the controller and HTTP proxies hold (an object of about 110 KB
+    per replica, 15-byte objects per past request), and the controller's replies
+    that every process with a handle keeps (long-poll config snapshots, ~110 KB).
     """
     from ray._private import internal_api
     from ray._private.state import actors
     from ray.core.generated import common_pb2
 
     classes = {aid: a.get("ActorClassName") for aid, a in actors().items()}
+    control_plane = {bytes.fromhex(aid) for aid, cls in classes.items() if cls in _SERVE_CONTROL_PLANE}
     refs: dict[bytes, tuple[int, list[str]]] = {}
     for node in ray.nodes():
         if not node["Alive"]:
@@ -80,6 +93,10 @@ def object_refs_in_use() -> dict[bytes, tuple[int, list[str]]]:
             if holder in _SERVE_CONTROL_PLANE:
                 continue
             for ref in worker.object_refs:
+                # An object id is the id of the task that made it (8 bytes, then the
+                # actor's 16) and an index; skip what the control plane's tasks returned.
+                if ref.object_id[8:24] in control_plane:
+                    continue
                 size, holders = refs.get(ref.object_id, (-1, []))
                 refs[ref.object_id] = (max(size, ref.object_size), [*holders, f"{holder}:{worker.pid}"])
     return refs

@@ -19,7 +19,7 @@ from ray import serve
 
 from deployments import compose_app
 from registry import lookup_registry
-from support import APP_ARGS, RankActor, object_refs_in_use, object_store_bytes_in_use, registry_stats, wait_until
+from support import APP_ARGS, RankActor, deployment_options, object_refs_in_use, object_store_bytes_in_use, registry_stats, wait_until
 
 
 def _free_port() -> int:
@@ -52,15 +52,7 @@ def cluster():
     )
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    app = compose_app(
-        APP_ARGS,
-        deployment_options={
-            # A fake GPU: Ray schedules and sets CUDA_VISIBLE_DEVICES; torch still runs on the CPU.
-            "Encoder": {"ray_actor_options": {"num_gpus": 1, "num_cpus": 0}},
-            "Ingress": {"ray_actor_options": {"num_cpus": 0}},
-        },
-    )
-    serve.run(app, name="epd", route_prefix="/")
+    serve.run(compose_app(APP_ARGS, deployment_options=deployment_options()), name="epd", route_prefix="/")
     url = f"http://127.0.0.1:{port}"
     ranks = [RankActor.remote(r) for r in range(4)]
     with httpx.Client(base_url=url, timeout=60) as http:
