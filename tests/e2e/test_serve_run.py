@@ -62,15 +62,20 @@ def service(tmp_path_factory):
         wait_until(lambda: _port_free(8000), 30, what="port 8000 to be released")
 
 
-def test_http_encode_on_the_default_config(service):
-    body = {"receive_count": 1, "items": [image_item(image_bytes(224, 224, seed=1))]}
-    response = httpx.post(f"{URL}/v1/encode", json=body, timeout=60)
-    assert response.status_code == 200, response.text
-    out = response.json()
+def _curl(*args: str) -> dict:
+    done = subprocess.run(["curl", "-s", "--max-time", "60", *args], capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_curl_encode_on_the_default_config(service, tmp_path):
+    # As the README shows it: the JSON body in a file (an image is too long for one argument).
+    body = tmp_path / "req.json"
+    body.write_text(json.dumps({"receive_count": 1, "items": [image_item(image_bytes(224, 224, seed=1))]}))
+    out = _curl(f"{URL}/v1/encode", "-H", "content-type: application/json", "--data-binary", f"@{body}")
     assert out["state"] == "staged" and out["items"][0]["shape"] == [196, 512] and out["items"][0]["dtype"] == "float32"
-    cancelled = httpx.delete(f"{URL}/v1/requests/{out['req_id']}", timeout=30).json()
-    assert cancelled["state"] == "cancelled"
-    stats = httpx.get(f"{URL}/v1/stats", timeout=30).json()
+    assert _curl("-X", "DELETE", f"{URL}/v1/requests/{out['req_id']}")["state"] == "cancelled"
+    stats = _curl(f"{URL}/v1/stats")
     assert stats["staged"] == 0 and stats["pending"] == 0
 
 
