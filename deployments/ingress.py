@@ -10,7 +10,8 @@ Errors: every failure is a ``RegistryError``; HTTP clients get
 exception itself.
 """
 
-
+# No `from __future__ import annotations` here: FastAPI reads the route methods'
+# annotations at runtime, and as strings `request: Request` became a query parameter.
 import asyncio
 import hashlib
 import json
@@ -25,7 +26,13 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from deployments.config import AppConfig
-from deployments.schemas import EncodeRequest, ErrorResponse, RequestState, parse_encode_request
+from deployments.schemas import (
+    EncodeRequest,
+    ErrorResponse,
+    RequestState,
+    describe_validation_error,
+    parse_encode_request,
+)
 from encoder import MediaError, item_bytes
 from registry import get_or_create_registry
 from registry.errors import (
@@ -64,8 +71,7 @@ async def _on_registry_error(_: Request, exc: RegistryError) -> JSONResponse:
 
 @api.exception_handler(RequestValidationError)
 async def _on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-    problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:10])
-    return error_response(InvalidRequest(f"invalid request: {problems}"))
+    return error_response(InvalidRequest(describe_validation_error(exc)))
 
 
 def _as_registry_error(exc: BaseException) -> BaseException:

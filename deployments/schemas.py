@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
+from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from registry.errors import InvalidRequest
@@ -89,8 +90,8 @@ def parse_encode_request(body: Any) -> EncodeRequest:
         raise InvalidRequest(describe_validation_error(exc), body.get("req_id") if isinstance(body.get("req_id"), str) else None) from None
 
 
-def describe_validation_error(exc: ValidationError) -> str:
-    """One line per problem, each naming the field: ``items.0.type: ...``."""
+def describe_validation_error(exc: ValidationError | RequestValidationError) -> str:
+    """The problems, each naming its field (``items.0.type: ...``), on one line."""
     problems = []
     for err in exc.errors()[:10]:
         where = ".".join(str(part) for part in err["loc"]) or "body"
