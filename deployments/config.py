@@ -39,6 +39,11 @@ class ModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     family: str = Field("tiny-vit", description=f"Model family, one of {FAMILIES}.")
+    path: str | None = Field(
+        None,
+        description="Local Hugging Face model directory (full multimodal model or vision tower only); "
+        "absent: the family's tiny seeded model, built from a config.",
+    )
     dtype: Literal["auto", *DTYPES] = Field(  # type: ignore[valid-type]
         "auto", description='Compute and staging dtype; "auto" is bfloat16 on CUDA, float32 on CPU.'
     )
@@ -54,7 +59,9 @@ class ModelConfig(BaseModel):
         return self
 
     def to_spec(self) -> EncoderSpec:
-        return EncoderSpec(family=self.family, dtype=self.dtype, device=self.device, options=dict(self.options))
+        return EncoderSpec(
+            family=self.family, path=self.path, dtype=self.dtype, device=self.device, options=dict(self.options)
+        )
 
 
 class BatchConfig(BaseModel):

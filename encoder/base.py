@@ -4,12 +4,13 @@ A ``VisionEncoder`` has two hooks:
 
 * ``preprocess(data)``: bytes of one item -> ``PreparedItem`` (CPU only, may raise
   ``MediaError``); runs per item, outside the batch, so a bad item fails alone;
-* ``forward(pixels, batch_key)``: a stacked batch of items that share a
-  ``batch_key`` -> one embedding per item, on the encoder's device and dtype.
+* ``embed(items)``: a batch of prepared items -> one embedding per item, on the
+  encoder's device and dtype, in input order. Towers that take a padded batch
+  subclass ``StackingEncoder`` and implement ``forward`` on stacked pixels;
+  towers that pack variable-length sequences (Qwen2-VL) implement ``embed``.
 
-``encode_batch`` is shared: it groups items by ``batch_key``, runs one forward
-per group under ``torch.inference_mode`` and hands back ``EncodedItem``s in
-input order. New model families (issue 3) add a subclass and an entry in
+``encode_batch`` runs ``embed`` under ``torch.inference_mode`` and turns the
+tensors into ``EncodedItem``s. New families add a subclass and an entry in
 ``encoder.loader``.
 """
 
@@ -39,8 +40,8 @@ class VisionEncoder(abc.ABC):
         """Decode and preprocess one item's bytes; raise ``MediaError`` if unusable."""
 
     @abc.abstractmethod
-    def forward(self, pixels: torch.Tensor, batch_key: tuple) -> Sequence[torch.Tensor]:
-        """Embed a stacked batch (already on ``device``/``dtype``); one tensor per item."""
+    def embed(self, items: Sequence[PreparedItem]) -> list[torch.Tensor]:
+        """One embedding per item, in order (called under ``torch.inference_mode``)."""
 
     def mm_hash(self, data: bytes) -> str:
         """Content hash of the item bytes under this model and its preprocessing."""
@@ -50,15 +51,26 @@ class VisionEncoder(abc.ABC):
 
     def encode_batch(self, items: Sequence[PreparedItem]) -> list[EncodedItem]:
         """Embed ``items`` (any mix of shapes) and return them in input order."""
+        with torch.inference_mode():
+            embeddings = self.embed(items)
+        return [EncodedItem.from_tensor(e, item) for e, item in zip(embeddings, items, strict=True)]
+
+
+class StackingEncoder(VisionEncoder):
+    """A tower that takes ``[batch, ...]`` pixels: items with equal ``batch_key`` share a pass."""
+
+    @abc.abstractmethod
+    def forward(self, pixels: torch.Tensor, batch_key: tuple) -> Sequence[torch.Tensor]:
+        """Embed a stacked batch (already on ``device``/``dtype``); one tensor per item."""
+
+    def embed(self, items: Sequence[PreparedItem]) -> list[torch.Tensor]:
         groups: dict[tuple, list[int]] = defaultdict(list)
         for index, item in enumerate(items):
             groups[item.batch_key].append(index)
-        out: list[EncodedItem | None] = [None] * len(items)
-        with torch.inference_mode():
-            for key, indices in groups.items():
-                pixels = torch.stack([items[i].pixels for i in indices])
-                pixels = pixels.to(self.device, self.dtype, non_blocking=True)
-                embeddings = self.forward(pixels, key)
-                for i, embedding in zip(indices, embeddings, strict=True):
-                    out[i] = EncodedItem.from_tensor(embedding, items[i])
+        out: list[torch.Tensor | None] = [None] * len(items)
+        for key, indices in groups.items():
+            pixels = torch.stack([items[i].pixels for i in indices])
+            pixels = pixels.to(self.device, self.dtype, non_blocking=True)
+            for i, embedding in zip(indices, self.forward(pixels, key), strict=True):
+                out[i] = embedding
         return out  # type: ignore[return-value]

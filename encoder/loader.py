@@ -2,12 +2,14 @@
 
 The serving layer validates user config (pydantic, at the edge) and hands this
 module an ``EncoderSpec``. Families are looked up by name so a new one is one
-entry in ``_FAMILIES``.
+entry in ``_FAMILIES``; the ``transformers``-based ones are imported only when
+asked for (importing ``transformers`` takes seconds).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Callable
 
 import torch
@@ -22,6 +24,7 @@ class EncoderSpec:
     """Which model to build and where. ``options`` are family-specific settings."""
 
     family: str = "tiny-vit"
+    path: str | None = None  # a local Hugging Face model directory; None: the family's tiny seeded model
     dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # "auto": CUDA when torch sees a GPU, else CPU
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -48,16 +51,39 @@ def resolve_dtype(requested: str, device: torch.device) -> torch.dtype:
     return torch_dtype(requested)
 
 
-def _tiny_vit(spec: EncoderSpec, device: torch.device, dtype: torch.dtype) -> VisionEncoder:
-    known = {f.name for f in dataclasses.fields(TinyViTConfig)}
+def _options(cls: type, spec: EncoderSpec) -> Any:
+    known = {f.name for f in dataclasses.fields(cls)}
     unknown = set(spec.options) - known
     if unknown:
-        raise ValueError(f"unknown tiny-vit options {sorted(unknown)}; known: {sorted(known)}")
-    return TinyViTEncoder(TinyViTConfig(**spec.options), device, dtype)
+        raise ValueError(f"unknown {spec.family} options {sorted(unknown)}; known: {sorted(known)}")
+    return cls(**spec.options)
+
+
+def _tiny_vit(spec: EncoderSpec, device: torch.device, dtype: torch.dtype) -> VisionEncoder:
+    if spec.path is not None:
+        raise ValueError("tiny-vit is built from its options and takes no model.path")
+    return TinyViTEncoder(_options(TinyViTConfig, spec), device, dtype)
+
+
+def _qwen_vl(spec: EncoderSpec, device: torch.device, dtype: torch.dtype) -> VisionEncoder:
+    from encoder.qwen_vl import QwenVLEncoder, QwenVLOptions
+
+    return QwenVLEncoder(spec.family, spec.path, _options(QwenVLOptions, spec), device, dtype)
+
+
+def _llava(spec: EncoderSpec, device: torch.device, dtype: torch.dtype) -> VisionEncoder:
+    from encoder.llava import LlavaEncoder, LlavaOptions
+
+    return LlavaEncoder(spec.family, spec.path, _options(LlavaOptions, spec), device, dtype)
 
 
 _FAMILIES: dict[str, Callable[[EncoderSpec, torch.device, torch.dtype], VisionEncoder]] = {
     "tiny-vit": _tiny_vit,
+    "qwen2_5_vl": _qwen_vl,
+    "qwen2_vl": _qwen_vl,
+    "llava": _llava,
+    "clip": _llava,
+    "siglip": _llava,
 }
 
 FAMILIES = tuple(_FAMILIES)
@@ -69,5 +95,7 @@ def build_encoder(spec: EncoderSpec) -> VisionEncoder:
         factory = _FAMILIES[spec.family]
     except KeyError:
         raise ValueError(f"unknown model family {spec.family!r}; choose one of {FAMILIES}") from None
+    if spec.path is not None and not os.path.isdir(spec.path):
+        raise ValueError(f"model.path {spec.path!r} is not a directory; give a local Hugging Face model directory")
     device = resolve_device(spec.device)
     return factory(spec, device, resolve_dtype(spec.dtype, device))

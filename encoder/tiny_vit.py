@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from encoder.base import VisionEncoder
+from encoder.base import StackingEncoder
 from encoder.media import open_image
 from encoder.types import PreparedItem
 
@@ -113,7 +113,7 @@ class TinyViT(nn.Module):
         return self.projector(self.norm(x))
 
 
-class TinyViTEncoder(VisionEncoder):
+class TinyViTEncoder(StackingEncoder):
     """``VisionEncoder`` around ``TinyViT``; ``meta["grid"]`` is [rows, cols] of patches."""
 
     family = "tiny-vit"

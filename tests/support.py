@@ -7,6 +7,7 @@ using the real ``EmbeddingReceiver``.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import io
 import time
@@ -56,6 +57,24 @@ def data_url(data: bytes, mime: str = "image/png") -> str:
 
 def image_item(data: bytes) -> dict[str, Any]:
     return {"type": "image_url", "image_url": {"url": data_url(data)}}
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Run torch on one intra-op thread (as a replica with one CPU does), then restore.
+
+    Multi-threaded BLAS may split a matmul's rows differently for different batch
+    sizes, which moves the last bits of a batched result; on one thread a batch
+    gives the same bits as each item alone.
+    """
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def reference_embedding(data: bytes, **spec: Any) -> np.ndarray:

@@ -1,0 +1,121 @@
+"""Qwen2-VL and Qwen2.5-VL vision towers (with their patch merger), through ``transformers``.
+
+The output per image is what the language model consumes: the merger's output,
+``grid_t * grid_h * grid_w / merge_size**2`` tokens of the LM's hidden size, with
+``grid_thw`` in the item metadata (the LM needs it for its M-RoPE positions).
+
+Batching packs items end to end (the tower takes variable-length sequences and
+``grid_thw`` per item), as ``get_image_features`` does; an image alone and in a
+batch gives bitwise-equal embeddings on the CPU.
+
+Without ``path`` the tower is a tiny seeded one built from a config (the
+embedded default: no download). With ``path`` it is read from a local
+directory holding either the full model or only the vision tower; only vision
+weights are read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Sequence
+
+import torch
+from transformers import AutoConfig
+from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
+from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
+from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+from encoder.base import VisionEncoder
+from encoder.checkpoint import CheckpointError, checkpoint_identity, construct, load_submodule, tensor_files
+from encoder.media import open_image
+from encoder.types import PreparedItem
+
+# Where each family keeps its vision weights, in the checkpoint spellings seen in the wild.
+_PREFIXES = ("visual.", "model.visual.", "")
+
+_FAMILIES = {
+    # family: (full model_type, vision-only model_type, vision config class, tower class, tiny config)
+    "qwen2_5_vl": (
+        "qwen2_5_vl", "qwen2_5_vl_vision", Qwen2_5_VLVisionConfig, Qwen2_5_VisionTransformerPretrainedModel,
+        dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=256,
+             window_size=112, fullatt_block_indexes=[1]),
+    ),
+    "qwen2_vl": (
+        "qwen2_vl", "qwen2_vl", Qwen2VLVisionConfig, Qwen2VisionTransformerPretrainedModel,
+        dict(depth=2, embed_dim=64, num_heads=2, mlp_ratio=2, hidden_size=256),
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class QwenVLOptions:
+    seed: int = 0  # the tiny tower's weights, when there is no path
+    min_pixels: int | None = None  # None: the checkpoint's preprocessor_config.json, else 56*56
+    max_pixels: int | None = None  # None: the checkpoint's preprocessor_config.json, else 448*448
+    max_decode_pixels: int = 64 * 1024 * 1024
+
+
+def _vision_config(family: str, path: str | None) -> Any:
+    full_type, vision_type, config_cls, _, tiny = _FAMILIES[family]
+    if path is None:
+        return config_cls(**tiny)
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    if config.model_type == full_type and hasattr(config, "vision_config"):
+        return config.vision_config
+    if config.model_type == vision_type or isinstance(config, config_cls):
+        return config
+    raise CheckpointError(f"{path} holds a {config.model_type!r} model, not {family}; set model.family to match it")
+
+
+class QwenVLEncoder(VisionEncoder):
+    """``meta["grid_thw"]``: [t, h, w] patches before merging (t = 1 for images)."""
+
+    def __init__(self, family: str, path: str | None, options: QwenVLOptions, device: torch.device, dtype: torch.dtype):
+        self.family, self.device, self.dtype = family, device, dtype
+        config = _vision_config(family, path)
+        files = None if path is None else tensor_files(path)  # fails fast when there are no weights
+        tower_cls = _FAMILIES[family][3]
+        tower = construct(lambda: tower_cls._from_config(config), seed=options.seed, from_checkpoint=files is not None)
+        self.loaded_keys: list[str] = [] if files is None else load_submodule(tower, path, _PREFIXES, files)
+        self.tower = tower.to(device=device, dtype=dtype).eval()
+        self.merge = config.spatial_merge_size
+        self.patch_size = config.patch_size
+        self.processor = self._processor(config, path, options)
+        self.options = options
+        weights = checkpoint_identity(path) if path else f"seed={options.seed}"
+        self.identity = f"{family}:{weights}:{self.processor.to_json_string()}:{dtype}"
+
+    @staticmethod
+    def _processor(config: Any, path: str | None, options: QwenVLOptions) -> Qwen2VLImageProcessorPil:
+        settings: dict[str, Any] = {}
+        if path is None or not os.path.isfile(os.path.join(path, "preprocessor_config.json")):
+            settings = dict(
+                patch_size=config.patch_size,
+                merge_size=config.spatial_merge_size,
+                temporal_patch_size=config.temporal_patch_size,
+                min_pixels=56 * 56,
+                max_pixels=448 * 448,
+            )
+        for key in ("min_pixels", "max_pixels"):
+            if getattr(options, key) is not None:
+                settings[key] = getattr(options, key)
+        if path is not None and os.path.isfile(os.path.join(path, "preprocessor_config.json")):
+            return Qwen2VLImageProcessorPil.from_pretrained(path, local_files_only=True, **settings)
+        return Qwen2VLImageProcessorPil(**settings)
+
+    def preprocess(self, data: bytes) -> PreparedItem:
+        image = open_image(data, max_pixels=self.options.max_decode_pixels, min_side=self.patch_size)
+        out = self.processor(images=[image], return_tensors="pt")
+        grid = [int(v) for v in out["image_grid_thw"][0]]
+        return PreparedItem(
+            pixels=out["pixel_values"], mm_hash=self.mm_hash(data), meta={"grid_thw": grid}, batch_key=()
+        )
+
+    def embed(self, items: Sequence[PreparedItem]) -> list[torch.Tensor]:
+        pixels = torch.cat([item.pixels for item in items]).to(self.device, self.dtype)
+        grid = torch.tensor([item.meta["grid_thw"] for item in items], device=self.device)
+        merged = self.tower(pixels, grid_thw=grid).pooler_output
+        return list(torch.split(merged, (grid.prod(-1) // self.merge**2).tolist()))

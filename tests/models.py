@@ -1,0 +1,97 @@
+"""Tiny real multimodal models (transformers, built from small configs, seeded), saved as checkpoints.
+
+Each ``save_*`` builds the full model (vision tower, projector or merger, and a
+language model), saves it with ``save_pretrained`` in several safetensors
+shards plus its image processor config, and returns the in-memory model, so a
+test can compare what the service computes from the directory with what the
+monolithic model computes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+QWEN_IMAGE_TOKEN, QWEN_VIDEO_TOKEN, QWEN_VISION_START, QWEN_VISION_END = 999, 998, 997, 996
+LLAVA_IMAGE_TOKEN = 999
+_TEXT = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def save_qwen2_5_vl(path: str, seed: int = 0):
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
+
+    config = Qwen2_5_VLConfig(
+        text_config=dict(**_TEXT, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                           fullatt_block_indexes=[1]),
+        image_token_id=QWEN_IMAGE_TOKEN, video_token_id=QWEN_VIDEO_TOKEN,
+        vision_start_token_id=QWEN_VISION_START, vision_end_token_id=QWEN_VISION_END,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    model.save_pretrained(path, max_shard_size="200KB")
+    Qwen2VLImageProcessorPil(
+        min_pixels=56 * 56, max_pixels=224 * 224, patch_size=14, merge_size=2, temporal_patch_size=2
+    ).save_pretrained(path)
+    return model
+
+
+def save_llava(path: str, vision: str = "clip", seed: int = 0):
+    from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration, SiglipVisionConfig
+    from transformers.models.clip import CLIPImageProcessorPil
+    from transformers.models.siglip import SiglipImageProcessorPil
+
+    tower = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=56, patch_size=14)
+    if vision == "clip":
+        vision_config, strategy = CLIPVisionConfig(**tower), "default"
+        processor = CLIPImageProcessorPil(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56})
+    else:
+        vision_config, strategy = SiglipVisionConfig(**tower), "full"
+        processor = SiglipImageProcessorPil(size={"height": 56, "width": 56})
+    config = LlavaConfig(
+        vision_config=vision_config.to_dict(), text_config=dict(model_type="llama", **_TEXT),
+        image_token_id=LLAVA_IMAGE_TOKEN, vision_feature_layer=-2, vision_feature_select_strategy=strategy,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = LlavaForConditionalGeneration(config).eval()
+    model.save_pretrained(path, max_shard_size="100KB")
+    processor.save_pretrained(path)
+    return model
+
+
+def qwen_prompt(token_counts: list[int]) -> torch.Tensor:
+    """Input ids with one vision block per image: text, <start>, image tokens, <end>, text."""
+    ids = [3, 4, 5]
+    for count in token_counts:
+        ids += [QWEN_VISION_START] + [QWEN_IMAGE_TOKEN] * count + [QWEN_VISION_END, 6, 7]
+    return torch.tensor([ids])
+
+
+def qwen_logits_from_embeddings(model, input_ids: torch.Tensor, embeddings: list[torch.Tensor], grid_thw: torch.Tensor):
+    """What a disaggregated prefill does: fill the image placeholders with received
+    embeddings, take M-RoPE positions from grid_thw, run the language model."""
+    image_mask = input_ids == QWEN_IMAGE_TOKEN
+    mm_token_type_ids = image_mask.int()
+    inputs_embeds = model.get_input_embeddings()(input_ids)
+    inputs_embeds = inputs_embeds.masked_scatter(image_mask.unsqueeze(-1), torch.cat(embeddings).to(inputs_embeds.dtype))
+    position_ids, _ = model.model.get_rope_index(input_ids, mm_token_type_ids, image_grid_thw=grid_thw)
+    return model(inputs_embeds=inputs_embeds, position_ids=position_ids, mm_token_type_ids=mm_token_type_ids,
+                 image_grid_thw=grid_thw).logits
+
+
+def llava_prompt(token_counts: list[int]) -> torch.Tensor:
+    ids = [3, 4]
+    for count in token_counts:
+        ids += [LLAVA_IMAGE_TOKEN] * count + [5, 6]
+    return torch.tensor([ids])
+
+
+def llava_logits_from_embeddings(model, input_ids: torch.Tensor, embeddings: list[torch.Tensor]):
+    image_mask = input_ids == LLAVA_IMAGE_TOKEN
+    inputs_embeds = model.get_input_embeddings()(input_ids)
+    inputs_embeds = inputs_embeds.masked_scatter(image_mask.unsqueeze(-1), torch.cat(embeddings).to(inputs_embeds.dtype))
+    return model(inputs_embeds=inputs_embeds).logits
