@@ -17,6 +17,7 @@ import os
 import time
 from typing import Any
 
+import torch
 from ray import serve
 from ray.serve import metrics
 
@@ -83,6 +84,7 @@ class Encoder:
             "device": str(self._encoder.device),
             "dtype": str(self._encoder.dtype).removeprefix("torch."),
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "torch_threads": torch.get_num_threads(),
         }
 
     async def stats(self) -> dict[str, Any]:

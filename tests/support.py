@@ -171,11 +171,11 @@ def wait_until(condition: Callable[[], Any], timeout_s: float = 15.0, interval_s
 class RankActor:
     """A decoder TP rank: fetches with ``EmbeddingReceiver`` and reports what it got."""
 
-    def __init__(self, rank: int):
+    def __init__(self, rank: int, registry_name: str | None = None, registry_namespace: str | None = None):
         from registry import EmbeddingReceiver
 
         self.rank = rank
-        self.receiver = EmbeddingReceiver(rank=rank)
+        self.receiver = EmbeddingReceiver(rank=rank, registry_name=registry_name, registry_namespace=registry_namespace)
         self.held: list[Any] = []
 
     async def fetch(
