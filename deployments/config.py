@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from encoder import DTYPES, FAMILIES, EncoderSpec
+from encoder import DTYPES, FAMILIES, EncoderSpec, MediaError, MediaPolicy
 from registry import DEFAULT_REGISTRY_NAME, DEFAULT_REGISTRY_NAMESPACE, Limits, RegistrySettings
 
 _MiB = 1024 * 1024
@@ -93,19 +93,52 @@ class AppConfig(BaseModel):
     registry_max_concurrency: int = Field(
         10_000, ge=16, description="Concurrent calls the registry accepts; each waiting fetch holds one."
     )
+    cache_max_bytes: int = Field(
+        512 * _MiB, ge=0, description="Bytes of embeddings the content-hash cache keeps for reuse; 0 turns it off."
+    )
     max_items_per_request: int = Field(16, ge=1, description="Most media items in one encode request.")
+    allowed_media_domains: list[str] = Field(
+        default_factory=list,
+        description='Hosts image URLs may be fetched from ("cdn.example.com", "*.example.com"); empty: no remote fetching.',
+    )
+    allowed_private_networks: list[str] = Field(
+        default_factory=list,
+        description="CIDRs that remote fetches may reach although they are not public (loopback, private, "
+        "link-local such as cloud metadata, multicast are refused otherwise).",
+    )
+    allow_redirects: bool = Field(False, description="Follow HTTP redirects (each hop is checked again).")
+    max_redirects: int = Field(3, ge=0, le=20, description="Most redirects followed for one image URL.")
+    fetch_timeout_s: float = Field(10.0, gt=0, le=300, description="Seconds for one remote fetch, all hops included.")
+    allowed_local_media_path: str | None = Field(
+        None, description="Directory that file:// URLs and local paths may read from (resolved); absent: no local files."
+    )
     max_item_bytes: int = Field(20 * _MiB, ge=1, description="Largest decoded media item, in bytes.")
     max_request_bytes: int = Field(64 * _MiB, ge=1, description="Largest HTTP request body, in bytes (else 413).")
     model: ModelConfig = Field(default_factory=ModelConfig, description="The vision tower to serve.")
 
     @model_validator(mode="after")
     def _consistent(self) -> "AppConfig":
+        try:
+            self.media_policy()  # checks the CIDRs and lists now, not at the first request
+        except MediaError as exc:
+            raise ValueError(str(exc)) from None
         if self.default_receive_count > self.max_receive_count:
             raise ValueError(
                 f"default_receive_count ({self.default_receive_count}) exceeds max_receive_count "
                 f"({self.max_receive_count})"
             )
         return self
+
+    def media_policy(self) -> MediaPolicy:
+        return MediaPolicy(
+            allowed_media_domains=tuple(self.allowed_media_domains),
+            allow_redirects=self.allow_redirects,
+            max_redirects=self.max_redirects,
+            allowed_local_media_path=self.allowed_local_media_path,
+            allowed_private_networks=tuple(self.allowed_private_networks),
+            fetch_timeout_s=self.fetch_timeout_s,
+            max_item_bytes=self.max_item_bytes,
+        )
 
     def registry_settings(self, encoder_app: str) -> RegistrySettings:
         return RegistrySettings(
@@ -122,4 +155,5 @@ class AppConfig(BaseModel):
             encoder_app=encoder_app,
             encoder_deployment="Encoder",
             max_concurrency=self.registry_max_concurrency,
+            cache_max_bytes=self.cache_max_bytes,
         )

@@ -87,6 +87,10 @@ class Encoder:
             "torch_threads": torch.get_num_threads(),
         }
 
+    async def identity(self) -> str:
+        """The model identity inside every ``mm_hash`` this replica computes."""
+        return self._encoder.identity
+
     async def stats(self) -> dict[str, Any]:
         """This replica's work (items encoded, forward passes) and batching settings."""
         return {"items_encoded": self._items, "batches": self._batches, "pid": os.getpid(), **self._batch.model_dump()}

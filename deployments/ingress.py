@@ -100,6 +100,7 @@ async def _read_body(request: Request, limit: int) -> bytes:
 class Ingress:
     def __init__(self, encoder: DeploymentHandle, config: dict[str, Any]):
         self._config = AppConfig.model_validate(config)
+        self._media_policy = self._config.media_policy()
         self._encoder = encoder
         settings = self._config.registry_settings(encoder_app=serve.get_replica_context().app_name)
         self._registry = get_or_create_registry(settings)
@@ -125,16 +126,19 @@ class Ingress:
             raise InvalidRequest(
                 f"{len(request.items)} items in one request; the limit is {cfg.max_items_per_request}", req_id
             )
-        blobs, digest = [], hashlib.sha256()
-        for index, item in enumerate(request.items):
+        async def unwrap_item(index: int, item: Any) -> bytes:
             try:
-                data = item_bytes(item.model_dump(), cfg.max_item_bytes)
+                # Threads: decoding base64 and fetching URLs block, and items of a request go in parallel.
+                return await asyncio.to_thread(item_bytes, item.model_dump(), self._media_policy)
             except MediaError as exc:
                 raise InvalidRequest(f"items[{index}]: {exc}", req_id) from None
+
+        blobs = await asyncio.gather(*(unwrap_item(i, item) for i, item in enumerate(request.items)))
+        digest = hashlib.sha256()
+        for data in blobs:
             digest.update(len(data).to_bytes(8, "little"))
             digest.update(data)
-            blobs.append(data)
-        return await self._call("submit", req_id, blobs, digest.hexdigest(), request.receive_count, request.wait)
+        return await self._call("submit", req_id, list(blobs), digest.hexdigest(), request.receive_count, request.wait)
 
     # --- HTTP ---------------------------------------------------------------------
 

@@ -21,7 +21,10 @@ class _Strict(BaseModel):
 
 
 class ImageURL(_Strict):
-    url: str = Field(description='"data:image/<format>;base64,<bytes>".')
+    url: str = Field(
+        description='"data:image/<format>;base64,<bytes>"; or an http(s):// URL on allowed_media_domains; '
+        "or a file:// URL or path under allowed_local_media_path."
+    )
 
 
 class ImageURLItem(_Strict):

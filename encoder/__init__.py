@@ -2,7 +2,9 @@
 
 from encoder.base import VisionEncoder
 from encoder.loader import FAMILIES, EncoderSpec, build_encoder, resolve_device
-from encoder.media import MediaError, item_bytes
+from encoder.fetch import MediaPolicy
+from encoder.items import item_bytes
+from encoder.media import MediaError
 from encoder.types import DTYPES, EncodedItem, PreparedItem, payload_to_tensor, tensor_to_payload
 
 __all__ = [
@@ -11,6 +13,7 @@ __all__ = [
     "EncodedItem",
     "EncoderSpec",
     "MediaError",
+    "MediaPolicy",
     "PreparedItem",
     "VisionEncoder",
     "build_encoder",

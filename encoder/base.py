@@ -26,6 +26,14 @@ import torch
 from encoder.types import EncodedItem, PreparedItem
 
 
+def content_hash(data: bytes, identity: str) -> str:
+    """``mm_hash``: the item's bytes under a model identity. The registry computes it
+    too (from the identity the encoder reports) to find cached embeddings."""
+    digest = hashlib.blake2b(data, digest_size=16, person=b"epd-mm-hash")
+    digest.update(identity.encode())
+    return digest.hexdigest()
+
+
 class VisionEncoder(abc.ABC):
     """A vision tower plus its preprocessing, on one device and dtype."""
 
@@ -45,9 +53,7 @@ class VisionEncoder(abc.ABC):
 
     def mm_hash(self, data: bytes) -> str:
         """Content hash of the item bytes under this model and its preprocessing."""
-        digest = hashlib.blake2b(data, digest_size=16, person=b"epd-mm-hash")
-        digest.update(self.identity.encode())
-        return digest.hexdigest()
+        return content_hash(data, self.identity)
 
     def encode_batch(self, items: Sequence[PreparedItem]) -> list[EncodedItem]:
         """Embed ``items`` (any mix of shapes) and return them in input order."""

@@ -1,12 +1,8 @@
-"""Turning request items into image bytes, and image bytes into pixels, safely.
+"""Image bytes into pixels, safely, and the error every media problem raises.
 
-Two steps, kept apart because they run in different places:
-
-* ``item_bytes`` runs in the HTTP ingress: it only unwraps the request item
-  (``data:`` URI or bare base64) into raw bytes and enforces the size limit, so
-  a malformed request is refused before anything is created.
-* ``open_image`` runs in the encoder replica: it reads the image header, checks
-  the pixel count *before* decoding (decompression bombs), then decodes.
+``open_image`` runs in the encoder replica: it reads the image header, checks
+the pixel count *before* decoding (decompression bombs), then decodes.
+(Request items become bytes earlier, in the ingress: ``encoder.items``.)
 
 Every failure raises ``MediaError`` with a message that says what to fix; the
 serving layer maps it to the ``invalid_request`` code.
@@ -14,65 +10,15 @@ serving layer maps it to the ``invalid_request`` code.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import io
-import re
-from typing import Any, Mapping
 
 from PIL import Image, UnidentifiedImageError
 
 SUPPORTED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
 
-_DATA_URI = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[\w.+-]+)*)(?P<b64>;base64)?,", re.I)
-
 
 class MediaError(ValueError):
     """A request item that cannot be turned into an image; the message says why."""
-
-
-def _b64decode(text: str, what: str) -> bytes:
-    try:
-        return base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError):
-        raise MediaError(f"{what} is not valid base64") from None
-
-
-def item_bytes(item: Mapping[str, Any], max_bytes: int) -> bytes:
-    """The raw media bytes of one request item.
-
-    Accepted shapes (OpenAI-compatible):
-    ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`` and
-    ``{"type": "image", "image": "<base64>"}``.
-    """
-    kind = item.get("type")
-    if kind == "image":
-        raw = item.get("image")
-        if not isinstance(raw, str) or not raw:
-            raise MediaError('an "image" item needs "image": a base64 string')
-        data = _b64decode(raw, '"image"')
-    elif kind == "image_url":
-        url_obj = item.get("image_url")
-        url = url_obj.get("url") if isinstance(url_obj, Mapping) else None
-        if not isinstance(url, str) or not url:
-            raise MediaError('an "image_url" item needs "image_url": {"url": "data:..."}')
-        match = _DATA_URI.match(url)
-        if match is None:
-            scheme = url.split(":", 1)[0] if ":" in url else "a local path"
-            raise MediaError(
-                f"image_url scheme {scheme!r} is not enabled; send the image inline as "
-                '"data:image/<format>;base64,<bytes>"'
-            )
-        if not match.group("b64"):
-            raise MediaError('data: URIs must be base64 encoded ("data:image/png;base64,...")')
-        data = _b64decode(url[match.end():], "the data: URI payload")
-    else:
-        raise MediaError(f'unsupported item type {kind!r}; use "image_url" or "image"')
-    if not data:
-        raise MediaError("the image is empty")
-    if len(data) > max_bytes:
-        raise MediaError(f"the image is {len(data)} bytes; the limit is {max_bytes} bytes")
-    return data
 
 
 def open_image(data: bytes, *, max_pixels: int, min_side: int) -> Image.Image:

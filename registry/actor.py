@@ -24,18 +24,9 @@ from collections import Counter as _Count
 from typing import Any
 
 import ray
-from ray import serve
-from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RayServeException
 
-from registry.errors import (
-    EncodeFailed,
-    InvalidRequest,
-    NotReady,
-    Overloaded,
-    RegistryError,
-    Unavailable,
-    unwrap,
-)
+from registry.encoding import EncoderClient
+from registry.errors import InvalidRequest, NotReady, RegistryError, Unavailable
 from registry.metrics import RegistryMetrics
 from registry.settings import RegistrySettings
 from registry.state import PENDING, RELEASED, STAGED, RegistryState, StagedItem, ended_error
@@ -47,18 +38,6 @@ def _check_wait(value: float, name: str, req_id: str | None) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_WAIT_S or math.isnan(value):
         raise InvalidRequest(f"{name} must be a number of seconds between 0 and {MAX_WAIT_S:.0f}, got {value!r}", req_id)
     return float(value)
-
-
-def _encode_error(exc: BaseException, req_id: str, index: int) -> RegistryError:
-    """Map whatever one item's encode raised to a registry error naming the item."""
-    exc = unwrap(exc)
-    if isinstance(exc, RegistryError):
-        return type(exc)(f"items[{index}]: {exc.message}", req_id, exc.details)
-    if isinstance(exc, BackPressureError):  # the Encoder's max_queued_requests was hit
-        return Overloaded(f"items[{index}]: the encoder queue is full; retry later", req_id)
-    if isinstance(exc, (DeploymentUnavailableError, RayServeException)):
-        return Unavailable(f"items[{index}]: the encoder deployment is not available: {exc}", req_id)
-    return EncodeFailed(f"items[{index}]: {type(exc).__name__}: {exc}", req_id)
 
 
 class EmbeddingRegistry:
@@ -73,17 +52,14 @@ class EmbeddingRegistry:
         self._encode_tasks: dict[str, asyncio.Task] = {}
         self._timer_wake = asyncio.Event()
         self._timer: asyncio.Task | None = None
-        self._encoder: Any = None
+        self._encoder = EncoderClient(settings.encoder_app, settings.encoder_deployment, settings.cache_max_bytes)
         self._started_at = time.time()
 
     # --- control ------------------------------------------------------------------
 
     async def configure(self, settings: RegistrySettings) -> None:
         """Apply the app's current settings (the actor may predate this deployment)."""
-        if (settings.encoder_app, settings.encoder_deployment) != (
-            self._settings.encoder_app, self._settings.encoder_deployment,
-        ):
-            self._encoder = None
+        self._encoder.reconfigure(settings.encoder_app, settings.encoder_deployment, settings.cache_max_bytes)
         self._settings = settings
         self._state.limits = settings.limits
         self._timer_wake.set()
@@ -95,7 +71,7 @@ class EmbeddingRegistry:
         stats = self._state.stats(time.time())
         stats["waiting_calls"] = sum(self._waiting.values())
         stats["encodes_in_flight"] = len(self._encode_tasks)
-        return stats
+        return {**stats, **self._encoder.stats()}
 
     # --- ingress ------------------------------------------------------------------
 
@@ -181,9 +157,8 @@ class EmbeddingRegistry:
         staged: list[StagedItem] = []
         error: RegistryError | None = None
         try:
-            encoder = await self._encoder_handle()
             async with asyncio.TaskGroup() as group:
-                tasks = [group.create_task(self._encode_item(encoder, req_id, i, data)) for i, data in enumerate(items)]
+                tasks = [group.create_task(self._encoder.encode(req_id, i, data)) for i, data in enumerate(items)]
             staged = [task.result() for task in tasks]
         except asyncio.CancelledError:
             return  # the entry was cancelled or expired; the item calls were cancelled too
@@ -204,36 +179,6 @@ class EmbeddingRegistry:
             self._metrics.late_results.inc()  # the refs in `staged` are dropped right here
         self._changed_now(req_id)
 
-    async def _encode_item(self, encoder: Any, req_id: str, index: int, data: bytes) -> StagedItem:
-        response = encoder.encode.remote(data)
-        ref = None
-        try:
-            ref = await response._to_object_ref()
-            # Read the value once for its metadata; on the same node this maps the
-            # payload without copying it, and the mapping is dropped on return.
-            encoded = await ref
-        except asyncio.CancelledError:
-            response.cancel()
-            response = ref = None  # see below
-            raise
-        except Exception as exc:  # noqa: BLE001
-            error = _encode_error(exc, req_id, index)
-        else:
-            return StagedItem(meta=encoded.meta, ref=ref)
-        # A raised exception's traceback keeps this frame and so its locals, and asyncio
-        # tasks keep their exception in a reference cycle that only the garbage collector
-        # breaks: drop the failed call's objects before raising, or they outlive the call.
-        response = ref = None
-        raise error
-
-    async def _encoder_handle(self) -> Any:
-        if self._encoder is None:
-            s = self._settings
-            self._encoder = await asyncio.to_thread(
-                serve.get_deployment_handle, s.encoder_deployment, s.encoder_app, _check_exists=False
-            )
-        return self._encoder
-
     # --- waiting and time ---------------------------------------------------------
 
     def _changed_now(self, req_id: str) -> None:
@@ -245,7 +190,7 @@ class EmbeddingRegistry:
         if encode_task is not None and not self._state.is_live(req_id):
             encode_task.cancel()  # cancelled or expired while encoding: stop the model work
         self._timer_wake.set()
-        self._metrics.sync(self._state.stats(time.time()))
+        self._metrics.sync({**self._state.stats(time.time()), **self._encoder.cache.stats()})
 
     async def _wait_change(self, req_id: str, timeout: float | None) -> None:
         event = self._changed.setdefault(req_id, asyncio.Event())

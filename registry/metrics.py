@@ -1,7 +1,8 @@
 """The registry's metrics (Ray metrics API: Ray dashboard and Prometheus, ``ray_`` prefixed).
 
 Kept out of the state machine so the rules stay testable without Ray; the actor
-reports every change through ``RegistryMetrics``.
+publishes ``RegistryState.stats()`` and the cache's stats through ``sync`` after
+every change: gauges as they are, running totals as counter increments.
 """
 
 from __future__ import annotations
@@ -9,47 +10,57 @@ from __future__ import annotations
 from ray.util.metrics import Counter, Gauge, Histogram
 
 _LATENCY_BOUNDARIES_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
+_ENDED_STATES = ("released", "expired", "cancelled", "failed")
+_CACHE_EVENTS = {"cache_hits_total": "hit", "cache_misses_total": "miss", "cache_evictions_total": "eviction"}
 
 
 class RegistryMetrics:
     def __init__(self, registry_name: str):
         tags = {"registry": registry_name}
         self._seen: dict[str, int] = {}
-        self.encode_requests = Counter(
-            "epd_encode_requests_total", "Encode requests by result (accepted, duplicate, rejected).",
-            tag_keys=("registry", "result"),
-        ).set_default_tags(tags)
+
+        def counter(name: str, description: str, *keys: str) -> Counter:
+            return Counter(name, description, tag_keys=("registry", *keys)).set_default_tags(tags)
+
+        def gauge(name: str, description: str) -> Gauge:
+            return Gauge(name, description, tag_keys=("registry",)).set_default_tags(tags)
+
+        self.encode_requests = counter(
+            "epd_encode_requests_total", "Encode requests by result (accepted, duplicate, rejected).", "result"
+        )
         self.encode_latency = Histogram(
             "epd_encode_latency_s", "Seconds from accepting an encode to staging its embeddings.",
             boundaries=_LATENCY_BOUNDARIES_S, tag_keys=("registry",),
         ).set_default_tags(tags)
-        self.pending = Gauge("epd_pending_entries", "Entries being encoded.", tag_keys=("registry",)).set_default_tags(tags)
-        self.staged = Gauge("epd_staged_entries", "Entries staged and waiting for ranks.", tag_keys=("registry",)).set_default_tags(tags)
-        self.staged_bytes = Gauge("epd_staged_bytes", "Bytes of staged embeddings held by the registry.", tag_keys=("registry",)).set_default_tags(tags)
-        self.fetches = Counter(
-            "epd_fetches_total", "Rank fetches by result (ok, released, or an error code).",
-            tag_keys=("registry", "result"),
-        ).set_default_tags(tags)
-        self.ended = Counter(
+        self.pending = gauge("epd_pending_entries", "Entries being encoded.")
+        self.staged = gauge("epd_staged_entries", "Entries staged and waiting for ranks.")
+        self.staged_bytes = gauge("epd_staged_bytes", "Bytes of staged embeddings held by entries.")
+        self.fetches = counter("epd_fetches_total", "Rank fetches by result (ok, released, or an error code).", "result")
+        self.ended = counter(
             "epd_entries_ended_total", "Entries that reached a terminal state (released, expired, cancelled, failed).",
-            tag_keys=("registry", "state"),
-        ).set_default_tags(tags)
-        self.errors = Counter(
-            "epd_errors_total", "Errors returned by the registry, by code.", tag_keys=("registry", "code"),
-        ).set_default_tags(tags)
-        self.late_results = Counter(
-            "epd_late_results_total", "Encode results dropped because their entry had already ended.",
-            tag_keys=("registry",),
-        ).set_default_tags(tags)
+            "state",
+        )
+        self.errors = counter("epd_errors_total", "Errors returned by the registry, by code.", "code")
+        self.late_results = counter(
+            "epd_late_results_total", "Encode results dropped because their entry had already ended."
+        )
+        self.cache_bytes = gauge("epd_cache_bytes", "Bytes of embeddings held by the content-hash cache.")
+        self.cache_events = counter(
+            "epd_cache_events_total", "Content-hash cache lookups and evictions (hit, miss, eviction).", "event"
+        )
 
     def sync(self, stats: dict[str, int]) -> None:
-        """Publish ``RegistryState.stats()``: gauges as they are, totals as counter deltas."""
         self.pending.set(stats["pending"])
         self.staged.set(stats["staged"])
         self.staged_bytes.set(stats["staged_bytes"])
-        for state in ("released", "expired", "cancelled", "failed"):
-            total = stats[f"{state}_total"]
-            delta = total - self._seen.get(state, 0)
-            if delta > 0:
-                self.ended.inc(delta, tags={"state": state})
-                self._seen[state] = total
+        self.cache_bytes.set(stats["cache_bytes"])
+        for state in _ENDED_STATES:
+            self._count(self.ended, f"{state}_total", stats, {"state": state})
+        for key, event in _CACHE_EVENTS.items():
+            self._count(self.cache_events, key, stats, {"event": event})
+
+    def _count(self, counter: Counter, key: str, stats: dict[str, int], tags: dict[str, str]) -> None:
+        delta = stats[key] - self._seen.get(key, 0)
+        if delta > 0:
+            counter.inc(delta, tags=tags)
+            self._seen[key] = stats[key]

@@ -40,3 +40,5 @@ class RegistrySettings:
     encoder_deployment: str = "Encoder"
     # Each waiting fetch holds one actor call slot; size for ranks x requests in flight.
     max_concurrency: int = 10_000
+    # Bytes of embeddings the content-hash cache keeps for reuse; 0 turns it off.
+    cache_max_bytes: int = 512 * 1024 * 1024

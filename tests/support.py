@@ -24,10 +24,46 @@ from encoder import EncoderSpec, build_encoder
 MODEL_SPEC = {"dtype": "bfloat16"}
 APP_ARGS = {
     "default_receive_count": 2,
+    # Off here: cached embeddings stay in the object store by design, and every test
+    # checks the store returns to its baseline. tests/integration/test_cache.py turns it on.
+    "cache_max_bytes": 0,
     "max_request_bytes": 4 * 1024 * 1024,
     "max_item_bytes": 2 * 1024 * 1024,
     "model": MODEL_SPEC,
 }
+
+
+@contextlib.contextmanager
+def media_server(files: dict[str, bytes]):
+    """A real HTTP server on 127.0.0.1 serving ``files`` by path, plus ``/redirect/<path>``
+    (302 to that path). Yields its base URL (``http://localhost:<port>``)."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the stdlib's name
+            if self.path.startswith("/redirect/"):
+                self.send_response(302)
+                self.send_header("Location", self.path.removeprefix("/redirect"))
+                self.end_headers()
+                return
+            body = files.get(self.path)
+            self.send_response(200 if body is not None else 404)
+            self.send_header("Content-Length", str(len(body or b"")))
+            self.end_headers()
+            self.wfile.write(body or b"")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://localhost:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def deployment_options(**encoder_user_config: Any) -> dict[str, dict[str, Any]]:

@@ -23,6 +23,28 @@ def _port_free(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) != 0
 
 
+def _gcs_address(pgid: int) -> str | None:
+    """The GCS address of the cluster that `serve run` (process group ``pgid``) started.
+
+    Read from the command line of its processes (the raylet gets ``--gcs-address``),
+    so the decoder joins that cluster and no other one running on this machine
+    (``address="auto"`` may pick another).
+    """
+    for entry in pathlib.Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(entry.name)) != pgid:
+                continue
+            args = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except (OSError, ProcessLookupError):
+            continue
+        for arg in args:
+            if arg.startswith("--gcs-address="):
+                return arg.split("=", 1)[1]
+    return None
+
+
 def _healthy() -> bool:
     try:
         return httpx.get(f"{URL}/health", timeout=5).status_code == 200
@@ -82,9 +104,14 @@ def test_curl_encode_on_the_default_config(service, tmp_path):
 def test_decoder_example_fetches_on_two_ranks(service):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     start = time.monotonic()
+    # Ray 2.60 clusters require a token; a driver given an explicit address sends it only
+    # when told to (with address="auto" it finds out from the local session).
+    env["RAY_AUTH_MODE"] = "token"
+    address = _gcs_address(service.pid)
+    assert address, "no gcs_server found in serve run's process group"
     done = subprocess.run(
-        [sys.executable, "examples/decoder_tp2.py", "--url", URL], cwd=ROOT, env=env, capture_output=True, text=True,
-        timeout=180,
+        [sys.executable, "examples/decoder_tp2.py", "--url", URL, "--address", address], cwd=ROOT, env=env,
+        capture_output=True, text=True, timeout=180,
     )
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])

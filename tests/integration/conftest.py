@@ -19,7 +19,7 @@ from ray import serve
 
 from deployments import compose_app
 from registry import lookup_registry
-from support import APP_ARGS, RankActor, deployment_options, object_refs_in_use, object_store_bytes_in_use, registry_stats, wait_until
+from support import APP_ARGS, RankActor, deployment_options, image_bytes, media_server, object_refs_in_use, object_store_bytes_in_use, registry_stats, wait_until
 
 
 def _free_port() -> int:
@@ -34,10 +34,16 @@ class Cluster:
     http: httpx.Client
     ranks: list
     metrics_url: str
+    app_args: dict  # what the "epd" app was deployed with
+    media_url: str  # a local HTTP server the app may fetch from
+    media_root: str  # the app's allowed_local_media_path
+
+
+MEDIA_FILES = {"/img.png": image_bytes(224, 224, seed=71)}
 
 
 @pytest.fixture(scope="session")
-def cluster():
+def cluster(tmp_path_factory):
     # Workers import the test helpers (RankActor) from tests/.
     tests_dir = str(pathlib.Path(__file__).resolve().parents[1])
     metrics_port = _free_port()
@@ -52,12 +58,25 @@ def cluster():
     )
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(compose_app(APP_ARGS, deployment_options=deployment_options()), name="epd", route_prefix="/")
-    url = f"http://127.0.0.1:{port}"
-    ranks = [RankActor.remote(r) for r in range(4)]
-    with httpx.Client(base_url=url, timeout=60) as http:
-        wait_until(lambda: http.get("/health").status_code == 200, 60, what="/health to answer 200")
-        yield Cluster(url=url, http=http, ranks=ranks, metrics_url=f"http://127.0.0.1:{metrics_port}/metrics")
+    media_root = tmp_path_factory.mktemp("media")
+    (media_root / "local.png").write_bytes(MEDIA_FILES["/img.png"])
+    with media_server(MEDIA_FILES) as media_url:
+        app_args = {
+            **APP_ARGS,
+            # Remote and local media on, narrowly: this machine's test server and one folder.
+            "allowed_media_domains": ["localhost"],
+            "allowed_private_networks": ["127.0.0.1/32", "::1/128"],
+            "allowed_local_media_path": str(media_root),
+        }
+        serve.run(compose_app(app_args, deployment_options=deployment_options()), name="epd", route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        ranks = [RankActor.remote(r) for r in range(4)]
+        with httpx.Client(base_url=url, timeout=60) as http:
+            wait_until(lambda: http.get("/health").status_code == 200, 60, what="/health to answer 200")
+            yield Cluster(
+                url=url, http=http, ranks=ranks, metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
+                app_args=app_args, media_url=media_url, media_root=str(media_root),
+            )
     serve.shutdown()
     ray.kill(lookup_registry())
     ray.shutdown()

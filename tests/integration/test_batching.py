@@ -7,7 +7,7 @@ import ray
 from ray import serve
 
 from deployments import compose_app
-from support import APP_ARGS, deployment_options, image_bytes, image_item, wait_until
+from support import deployment_options, image_bytes, image_item, wait_until
 
 
 def _encode_concurrently(cluster, tag, n):
@@ -37,7 +37,7 @@ def test_batches_form_across_callers_and_user_config_changes_them_live(cluster):
     # the replica to apply it; `serve deploy` of a changed config file reconfigures it live.)
     try:
         serve.run(
-            compose_app(APP_ARGS, deployment_options=deployment_options(max_batch_size=1)), name="epd", route_prefix="/"
+            compose_app(cluster.app_args, deployment_options=deployment_options(max_batch_size=1)), name="epd", route_prefix="/"
         )
         wait_until(lambda: encoder.stats.remote().result()["max_batch_size"] == 1, 30, what="the new batch size")
         before = encoder.stats.remote().result()
@@ -45,5 +45,5 @@ def test_batches_form_across_callers_and_user_config_changes_them_live(cluster):
         after_one = encoder.stats.remote().result()
         assert after_one["batches"] - before["batches"] == after_one["items_encoded"] - before["items_encoded"] == 8
     finally:
-        serve.run(compose_app(APP_ARGS, deployment_options=deployment_options()), name="epd", route_prefix="/")
+        serve.run(compose_app(cluster.app_args, deployment_options=deployment_options()), name="epd", route_prefix="/")
     assert encoder.stats.remote().result()["max_batch_size"] == 8

@@ -2,7 +2,7 @@
 
 from ray.serve.exceptions import BackPressureError
 
-from registry.actor import _encode_error
+from registry.encoding import encode_error as _encode_error
 from registry.errors import EncodeFailed, InvalidRequest, Overloaded
 
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from encoder import EncoderSpec, MediaError, build_encoder, item_bytes, payload_to_tensor, tensor_to_payload
+from encoder import EncoderSpec, MediaError, MediaPolicy, build_encoder, item_bytes, payload_to_tensor, tensor_to_payload
 from encoder.tiny_vit import TinyViTConfig, target_size
 from support import data_url, image_bytes
 
@@ -70,25 +70,26 @@ def test_read_only_payload_views_without_copy_or_warning(recwarn):
 
 def test_item_bytes_accepts_data_uri_and_base64():
     png = image_bytes(32, 32)
-    assert item_bytes({"type": "image_url", "image_url": {"url": data_url(png)}}, 10**6) == png
-    assert item_bytes({"type": "image", "image": data_url(png).split(",", 1)[1]}, 10**6) == png
+    policy = MediaPolicy(max_item_bytes=10**6)
+    assert item_bytes({"type": "image_url", "image_url": {"url": data_url(png)}}, policy) == png
+    assert item_bytes({"type": "image", "image": data_url(png).split(",", 1)[1]}, policy) == png
 
 
 @pytest.mark.parametrize(
     "item,message",
     [
         ({"type": "video"}, "unsupported item type"),
-        ({"type": "image_url", "image_url": {"url": "http://10.0.0.1/x.png"}}, "scheme 'http' is not enabled"),
-        ({"type": "image_url", "image_url": {"url": "/etc/passwd"}}, "not enabled"),
+        ({"type": "image_url", "image_url": {"url": "http://10.0.0.1/x.png"}}, "remote media fetching is off"),
+        ({"type": "image_url", "image_url": {"url": "/etc/passwd"}}, "local media files are off"),
         ({"type": "image_url", "image_url": {"url": "data:image/png,abc"}}, "must be base64"),
         ({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}, "not valid base64"),
         ({"type": "image", "image": ""}, "needs"),
-        ({"type": "image", "image": "QUJD" * 100}, "the limit is 100 bytes"),
+        ({"type": "image", "image": "QUJD" * 100}, "more than the limit of 100 bytes"),
     ],
 )
 def test_item_bytes_refuses_with_a_reason(item, message):
     with pytest.raises(MediaError, match=message):
-        item_bytes(item, 100)
+        item_bytes(item, MediaPolicy(max_item_bytes=100))
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,138 @@
+"""How the registry gets an item encoded: cache, in-flight sharing, then one Encoder call.
+
+For each item the registry computes its ``mm_hash`` (the item bytes plus the
+serving model's identity, the same hash the encoder reports) and, in order:
+
+1. a cache hit hands back the staged item already held (no model run, no copy);
+2. an identical item being encoded right now is awaited, not encoded again
+   (so duplicates in one request, or in one batch, run once);
+3. otherwise one call to the ``Encoder`` deployment runs, in a task shared by
+   everyone waiting for that hash. It is cancelled only when its last waiter is.
+
+The call is made from this process, so the result's ObjectRef is owned here and
+outlives the replica that computed it. A result is cached only if its reported
+``mm_hash`` equals the key: if the model changed under us (a redeploy), the
+identity is fetched again instead of caching under a stale key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+from ray import serve
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RayServeException
+
+from encoder.base import content_hash
+from registry.cache import EncoderCache
+from registry.errors import EncodeFailed, Overloaded, RegistryError, Unavailable, unwrap
+from registry.state import StagedItem
+
+
+def encode_error(exc: BaseException, req_id: str, index: int) -> RegistryError:
+    """Map whatever one item's encode raised to a registry error naming the item."""
+    exc = unwrap(exc)
+    if isinstance(exc, RegistryError):
+        return type(exc)(f"items[{index}]: {exc.message}", req_id, exc.details)
+    if isinstance(exc, BackPressureError):  # the Encoder's max_queued_requests was hit
+        return Overloaded(f"items[{index}]: the encoder queue is full; retry later", req_id)
+    if isinstance(exc, (DeploymentUnavailableError, RayServeException)):
+        return Unavailable(f"items[{index}]: the encoder deployment is not available: {exc}", req_id)
+    return EncodeFailed(f"items[{index}]: {type(exc).__name__}: {exc}", req_id)
+
+
+@dataclasses.dataclass
+class _Shared:
+    task: asyncio.Task
+    waiters: int = 0
+
+
+class EncoderClient:
+    def __init__(self, app: str, deployment: str, cache_max_bytes: int):
+        self._target = (app, deployment)
+        self._handle: Any = None
+        self._identity: str | None = None
+        self.cache = EncoderCache(cache_max_bytes)
+        self._inflight: dict[str, _Shared] = {}
+        self.joined = 0  # items that joined an identical item's encode in flight
+
+    def reconfigure(self, app: str, deployment: str, cache_max_bytes: int) -> None:
+        if (app, deployment) != self._target:
+            self._target, self._handle, self._identity = (app, deployment), None, None
+            self.cache.clear()
+        self.cache.max_bytes = cache_max_bytes
+        self._identity = None  # a (re)deploy may have changed the model: ask again
+
+    async def encode(self, req_id: str, index: int, data: bytes) -> StagedItem:
+        """The staged item for ``data``; raises a ``RegistryError`` naming ``req_id`` and ``index``."""
+        try:
+            key = content_hash(data, await self._model_identity())
+        except Exception as exc:  # noqa: BLE001
+            raise encode_error(exc, req_id, index) from None
+        cached = self.cache.get(key) if self.cache.max_bytes > 0 else None
+        if cached is not None:
+            return cached
+        shared = self._inflight.get(key)
+        if shared is None:
+            shared = self._inflight[key] = _Shared(asyncio.create_task(self._call(key, data)))
+            shared.task.add_done_callback(lambda _: self._inflight.pop(key, None))
+        else:
+            self.joined += 1
+        shared.waiters += 1
+        try:
+            return await asyncio.shield(shared.task)
+        except asyncio.CancelledError:
+            if shared.waiters == 1:
+                shared.task.cancel()  # nobody else wants it: stop the model work
+            raise
+        except Exception as exc:  # noqa: BLE001
+            error = encode_error(exc, req_id, index)
+        finally:
+            shared.waiters -= 1
+        raise error
+
+    def stats(self) -> dict[str, int]:
+        return {**self.cache.stats(), "encodes_joined_total": self.joined, "item_encodes_in_flight": len(self._inflight)}
+
+    async def _call(self, key: str, data: bytes) -> StagedItem:
+        handle = await self._deployment()
+        response = handle.encode.remote(data)
+        ref = None
+        try:
+            ref = await response._to_object_ref()
+            # Read the value once for its metadata; on the same node this maps the
+            # payload without copying it, and the mapping is dropped on return.
+            encoded = await ref
+        except asyncio.CancelledError:
+            response.cancel()
+            response = ref = None  # see below
+            raise
+        except Exception as exc:  # noqa: BLE001
+            error = unwrap(exc)
+        else:
+            item = StagedItem(meta=encoded.meta, ref=ref)
+            if encoded.meta.get("mm_hash") == key:
+                if self.cache.max_bytes > 0:
+                    self.cache.put(key, item)
+            else:
+                self._identity = None  # the model changed under us; do not cache under a stale key
+            return item
+        # A raised exception's traceback keeps this frame and so its locals, and asyncio
+        # tasks keep their exception in a reference cycle that only the garbage collector
+        # breaks: drop the failed call's objects before raising, or they outlive the call.
+        response = ref = None
+        raise error
+
+    async def _deployment(self) -> Any:
+        if self._handle is None:
+            app, deployment = self._target
+            # Building a handle talks to the Serve controller synchronously: off the loop.
+            self._handle = await asyncio.to_thread(serve.get_deployment_handle, deployment, app, _check_exists=False)
+        return self._handle
+
+    async def _model_identity(self) -> str:
+        if self._identity is None:
+            handle = await self._deployment()
+            self._identity = await handle.identity.remote()
+        return self._identity
