@@ -17,7 +17,7 @@ YAML (``serve_config.yaml``)::
           registry_namespace: epd
           default_receive_count: 1
           ttl_s: 180
-          model: {family: tiny-vit, dtype: auto, device: auto}
+          model: {family: qwen2_5_vl, dtype: auto, device: auto}
 
 Per-deployment Serve settings (replicas, GPUs, batching through ``user_config``)
 live in the config file's ``deployments:`` list, not here.
@@ -38,7 +38,9 @@ _MiB = 1024 * 1024
 class ModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    family: str = Field("tiny-vit", description=f"Model family, one of {FAMILIES}.")
+    family: str = Field(
+        "qwen2_5_vl", description=f"Model family, one of {FAMILIES}; without path, its tiny seeded model."
+    )
     path: str | None = Field(
         None,
         description="Local Hugging Face model directory (full multimodal model or vision tower only); "
@@ -49,7 +51,7 @@ class ModelConfig(BaseModel):
     )
     device: str = Field("auto", description='"auto" (CUDA when the replica has a GPU, else CPU), "cpu" or "cuda".')
     options: dict[str, Any] = Field(
-        default_factory=dict, description="Family-specific settings (tiny-vit: seed, patch_size, max_pixels, ...)."
+        default_factory=dict, description="Family-specific settings (see the README's Models section)."
     )
 
     @model_validator(mode="after")

@@ -23,7 +23,7 @@ from encoder.types import torch_dtype
 class EncoderSpec:
     """Which model to build and where. ``options`` are family-specific settings."""
 
-    family: str = "tiny-vit"
+    family: str = "qwen2_5_vl"
     path: str | None = None  # a local Hugging Face model directory; None: the family's tiny seeded model
     dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # "auto": CUDA when torch sees a GPU, else CPU

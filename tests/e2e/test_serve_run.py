@@ -95,7 +95,7 @@ def test_curl_encode_on_the_default_config(service, tmp_path):
     body = tmp_path / "req.json"
     body.write_text(json.dumps({"receive_count": 1, "items": [image_item(image_bytes(224, 224, seed=1))]}))
     out = _curl(f"{URL}/v1/encode", "-H", "content-type: application/json", "--data-binary", f"@{body}")
-    assert out["state"] == "staged" and out["items"][0]["shape"] == [196, 512] and out["items"][0]["dtype"] == "float32"
+    assert out["state"] == "staged" and out["items"][0]["shape"] == [64, 256] and out["items"][0]["dtype"] == "float32"
     assert _curl("-X", "DELETE", f"{URL}/v1/requests/{out['req_id']}")["state"] == "cancelled"
     stats = _curl(f"{URL}/v1/stats")
     assert stats["staged"] == 0 and stats["pending"] == 0
@@ -117,7 +117,7 @@ def test_decoder_example_fetches_on_two_ranks(service):
     result = json.loads(done.stdout.strip().splitlines()[-1])
     ranks = {r["rank"]: r["items"] for r in result["ranks"]}
     assert sorted(ranks) == [0, 1]
-    assert ranks[0] == ranks[1] and ranks[0][0]["shape"] == [280, 512]
+    assert ranks[0] == ranks[1] and ranks[0][0]["shape"] == [88, 256]
     assert ranks[0][0]["shape"] == result["encoded"][0]["shape"]
     state = httpx.get(f"{URL}/v1/requests/{result['req_id']}", timeout=30).json()
     assert state["state"] == "released" and state["received_ranks"] == [0, 1]

@@ -1,4 +1,4 @@
-"""The default tiny model, preprocessing, and the tensor <-> payload codec (no Ray)."""
+"""The tiny-vit model, preprocessing, and the tensor <-> payload codec (no Ray)."""
 
 import numpy as np
 import pytest
@@ -11,7 +11,7 @@ from support import data_url, image_bytes
 
 @pytest.fixture(scope="module")
 def enc():
-    return build_encoder(EncoderSpec())
+    return build_encoder(EncoderSpec(family="tiny-vit"))
 
 
 def test_tokens_follow_image_size(enc):
@@ -34,11 +34,11 @@ def test_same_seed_same_weights_and_batching_does_not_change_results(enc):
     data = [image_bytes(224, 224, seed=s) for s in range(3)] + [image_bytes(96, 64, seed=9)]
     prepared = [enc.preprocess(d) for d in data]
     batched = enc.encode_batch(prepared)
-    other = build_encoder(EncoderSpec())
+    other = build_encoder(EncoderSpec(family="tiny-vit"))
     alone = [other.encode_batch([p])[0] for p in prepared]
     for a, b in zip(batched, alone):
         assert np.array_equal(a.payload, b.payload)
-    reseeded = build_encoder(EncoderSpec(options={"seed": 1}))
+    reseeded = build_encoder(EncoderSpec(family="tiny-vit", options={"seed": 1}))
     assert not np.array_equal(reseeded.encode_batch([prepared[0]])[0].payload, alone[0].payload)
 
 
@@ -46,12 +46,12 @@ def test_mm_hash_depends_on_bytes_and_model(enc):
     a, b = image_bytes(64, 64, seed=1), image_bytes(64, 64, seed=2)
     assert enc.preprocess(a).mm_hash == enc.preprocess(a).mm_hash
     assert enc.preprocess(a).mm_hash != enc.preprocess(b).mm_hash
-    other = build_encoder(EncoderSpec(options={"seed": 3}))
+    other = build_encoder(EncoderSpec(family="tiny-vit", options={"seed": 3}))
     assert other.preprocess(a).mm_hash != enc.preprocess(a).mm_hash
 
 
 def test_bfloat16_payload_roundtrip_is_exact_and_zero_copy():
-    enc16 = build_encoder(EncoderSpec(dtype="bfloat16"))
+    enc16 = build_encoder(EncoderSpec(family="tiny-vit", dtype="bfloat16"))
     item = enc16.encode_batch([enc16.preprocess(image_bytes(64, 48))])[0]
     assert item.meta["dtype"] == "bfloat16" and item.payload.dtype == np.int16
     tensor = item.tensor()
@@ -106,7 +106,7 @@ def test_preprocess_refuses_bad_images(enc, data, message):
 
 
 def test_decompression_bomb_refused_from_header():
-    tiny = build_encoder(EncoderSpec(options={"max_decode_pixels": 100 * 100}))
+    tiny = build_encoder(EncoderSpec(family="tiny-vit", options={"max_decode_pixels": 100 * 100}))
     with pytest.raises(MediaError, match="limit is 10000"):
         tiny.preprocess(image_bytes(200, 200))
 
@@ -115,10 +115,10 @@ def test_bad_specs_say_what_to_fix():
     with pytest.raises(ValueError, match="unknown model family 'nope'"):
         build_encoder(EncoderSpec(family="nope"))
     with pytest.raises(ValueError, match="unknown tiny-vit options"):
-        build_encoder(EncoderSpec(options={"hiden_size": 3}))
+        build_encoder(EncoderSpec(family="tiny-vit", options={"hiden_size": 3}))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
 def test_cuda_without_gpu_says_what_to_fix():
     with pytest.raises(ValueError, match="torch sees no GPU"):
-        build_encoder(EncoderSpec(device="cuda"))
+        build_encoder(EncoderSpec(family="tiny-vit", device="cuda"))
