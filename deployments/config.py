@@ -99,6 +99,7 @@ class AppConfig(BaseModel):
         512 * _MiB, ge=0, description="Bytes of embeddings the content-hash cache keeps for reuse; 0 turns it off."
     )
     max_items_per_request: int = Field(16, ge=1, description="Most media items in one encode request.")
+    max_video_frames: int = Field(64, ge=1, description="Most frames in one video item.")
     allowed_media_domains: list[str] = Field(
         default_factory=list,
         description='Hosts image URLs may be fetched from ("cdn.example.com", "*.example.com"); empty: no remote fetching.',

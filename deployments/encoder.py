@@ -22,7 +22,7 @@ from ray import serve
 from ray.serve import metrics
 
 from deployments.config import BatchConfig, ModelConfig
-from encoder import EncodedItem, MediaError, PreparedItem, build_encoder
+from encoder import EncodedItem, Media, MediaError, PreparedItem, Video, build_encoder
 from registry.errors import InvalidRequest
 
 _FORWARD_BOUNDARIES_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5]
@@ -55,12 +55,12 @@ class Encoder:
         self._encode_batch.set_max_batch_size(self._batch.max_batch_size)
         self._encode_batch.set_batch_wait_timeout_s(self._batch.batch_wait_timeout_s)
 
-    async def encode(self, data: bytes) -> EncodedItem:
-        """Embed one media item given as raw bytes."""
-        if not isinstance(data, (bytes, bytearray)):
-            raise InvalidRequest(f"encode takes the item's raw bytes, got {type(data).__name__}")
+    async def encode(self, media: Media) -> EncodedItem:
+        """Embed one media item: an image's raw bytes, or a ``Video`` of frames."""
+        if not isinstance(media, (bytes, Video)):
+            raise InvalidRequest(f"encode takes image bytes or a Video, got {type(media).__name__}")
         try:
-            prepared = await asyncio.to_thread(self._encoder.preprocess, bytes(data))
+            prepared = await asyncio.to_thread(self._encoder.prepare, media)
         except MediaError as exc:
             raise InvalidRequest(str(exc)) from None
         return await self._encode_batch(prepared)

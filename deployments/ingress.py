@@ -33,7 +33,7 @@ from deployments.schemas import (
     describe_validation_error,
     parse_encode_request,
 )
-from encoder import MediaError, item_bytes
+from encoder import Media, MediaError, content_hash, item_media
 from registry import get_or_create_registry
 from registry.errors import (
     HTTP_STATUS,
@@ -126,18 +126,17 @@ class Ingress:
             raise InvalidRequest(
                 f"{len(request.items)} items in one request; the limit is {cfg.max_items_per_request}", req_id
             )
-        async def unwrap_item(index: int, item: Any) -> bytes:
+        async def unwrap_item(index: int, item: Any) -> Media:
             try:
                 # Threads: decoding base64 and fetching URLs block, and items of a request go in parallel.
-                return await asyncio.to_thread(item_bytes, item.model_dump(), self._media_policy)
+                return await asyncio.to_thread(item_media, item.model_dump(), self._media_policy, cfg.max_video_frames)
             except MediaError as exc:
                 raise InvalidRequest(f"items[{index}]: {exc}", req_id) from None
 
         blobs = await asyncio.gather(*(unwrap_item(i, item) for i, item in enumerate(request.items)))
         digest = hashlib.sha256()
-        for data in blobs:
-            digest.update(len(data).to_bytes(8, "little"))
-            digest.update(data)
+        for media in blobs:  # what a retry must repeat to join this request: every item's content
+            digest.update(content_hash(media, "request").encode())
         return await self._call("submit", req_id, list(blobs), digest.hexdigest(), request.receive_count, request.wait)
 
     # --- HTTP ---------------------------------------------------------------------

@@ -37,7 +37,14 @@ class ImageItem(_Strict):
     image: str = Field(description="The image file's bytes, base64 encoded.")
 
 
-Item = Annotated[Union[ImageURLItem, ImageItem], Field(discriminator="type")]
+class VideoItem(_Strict):
+    type: Literal["video"]
+    video: list[str] = Field(
+        min_length=1, description="The frames, in order; each like an image_url's url. Qwen2-VL/2.5-VL only."
+    )
+
+
+Item = Annotated[Union[ImageURLItem, ImageItem, VideoItem], Field(discriminator="type")]
 
 
 class EncodeRequest(_Strict):

@@ -1,11 +1,11 @@
 """Model loading, preprocessing and the forward pass. Imports no Ray."""
 
-from encoder.base import VisionEncoder
+from encoder.base import VisionEncoder, content_hash
 from encoder.loader import FAMILIES, EncoderSpec, build_encoder, resolve_device
 from encoder.fetch import MediaPolicy
-from encoder.items import item_bytes
+from encoder.items import item_bytes, item_media
 from encoder.media import MediaError
-from encoder.types import DTYPES, EncodedItem, PreparedItem, payload_to_tensor, tensor_to_payload
+from encoder.types import DTYPES, EncodedItem, Media, PreparedItem, Video, payload_to_tensor, tensor_to_payload
 
 __all__ = [
     "DTYPES",
@@ -13,11 +13,15 @@ __all__ = [
     "EncodedItem",
     "EncoderSpec",
     "MediaError",
+    "Media",
     "MediaPolicy",
     "PreparedItem",
+    "Video",
     "VisionEncoder",
     "build_encoder",
+    "content_hash",
     "item_bytes",
+    "item_media",
     "payload_to_tensor",
     "resolve_device",
     "tensor_to_payload",

@@ -2,8 +2,9 @@
 
 A ``VisionEncoder`` has two hooks:
 
-* ``preprocess(data)``: bytes of one item -> ``PreparedItem`` (CPU only, may raise
-  ``MediaError``); runs per item, outside the batch, so a bad item fails alone;
+* ``preprocess(data)``: bytes of one image -> ``PreparedItem`` (CPU only, may raise
+  ``MediaError``); runs per item, outside the batch, so a bad item fails alone
+  (``preprocess_video(video)`` likewise, for families that take video);
 * ``embed(items)``: a batch of prepared items -> one embedding per item, on the
   encoder's device and dtype, in input order. Towers that take a padded batch
   subclass ``StackingEncoder`` and implement ``forward`` on stacked pixels;
@@ -23,13 +24,20 @@ from typing import Sequence
 
 import torch
 
-from encoder.types import EncodedItem, PreparedItem
+from encoder.media import MediaError
+from encoder.types import EncodedItem, Media, PreparedItem, Video
 
 
-def content_hash(data: bytes, identity: str) -> str:
+def content_hash(media: Media, identity: str) -> str:
     """``mm_hash``: the item's bytes under a model identity. The registry computes it
     too (from the identity the encoder reports) to find cached embeddings."""
-    digest = hashlib.blake2b(data, digest_size=16, person=b"epd-mm-hash")
+    if isinstance(media, Video):
+        digest = hashlib.blake2b(b"video", digest_size=16, person=b"epd-mm-hash")
+        for frame in media.frames:  # length-prefixed, so frame boundaries count
+            digest.update(len(frame).to_bytes(8, "little"))
+            digest.update(frame)
+    else:
+        digest = hashlib.blake2b(media, digest_size=16, person=b"epd-mm-hash")
     digest.update(identity.encode())
     return digest.hexdigest()
 
@@ -45,13 +53,23 @@ class VisionEncoder(abc.ABC):
 
     @abc.abstractmethod
     def preprocess(self, data: bytes) -> PreparedItem:
-        """Decode and preprocess one item's bytes; raise ``MediaError`` if unusable."""
+        """Decode and preprocess one image's bytes; raise ``MediaError`` if unusable."""
+
+    def preprocess_video(self, video: Video) -> PreparedItem:
+        """Decode and preprocess a video's frames; families without video support refuse."""
+        raise MediaError(f"this model ({type(self).__name__}) takes images only; send each frame as an image")
+
+    def prepare(self, media: Media) -> PreparedItem:
+        """``preprocess`` or ``preprocess_video``, by what the item is."""
+        if isinstance(media, Video):
+            return self.preprocess_video(media)
+        return self.preprocess(media)
 
     @abc.abstractmethod
     def embed(self, items: Sequence[PreparedItem]) -> list[torch.Tensor]:
         """One embedding per item, in order (called under ``torch.inference_mode``)."""
 
-    def mm_hash(self, data: bytes) -> str:
+    def mm_hash(self, data: Media) -> str:
         """Content hash of the item bytes under this model and its preprocessing."""
         return content_hash(data, self.identity)
 

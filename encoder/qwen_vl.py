@@ -1,4 +1,4 @@
-"""Qwen2-VL and Qwen2.5-VL vision towers (with their patch merger), through ``transformers``.
+"""Qwen2-VL and Qwen2.5-VL vision towers (with their patch merger), through ``transformers``: images and videos.
 
 The output per image is what the language model consumes: the merger's output,
 ``grid_t * grid_h * grid_w / merge_size**2`` tokens of the LM's hidden size, with
@@ -30,8 +30,8 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransforme
 
 from encoder.base import VisionEncoder
 from encoder.checkpoint import CheckpointError, checkpoint_identity, construct, load_submodule, tensor_files
-from encoder.media import open_image
-from encoder.types import PreparedItem
+from encoder.media import MediaError, open_image
+from encoder.types import PreparedItem, Video
 
 # Where each family keeps its vision weights, in the checkpoint spellings seen in the wild.
 _PREFIXES = ("visual.", "model.visual.", "")
@@ -83,6 +83,7 @@ class QwenVLEncoder(VisionEncoder):
         self.tower = tower.to(device=device, dtype=dtype).eval()
         self.merge = config.spatial_merge_size
         self.patch_size = config.patch_size
+        self.temporal_patch_size = config.temporal_patch_size
         self.processor = self._processor(config, path, options)
         self.options = options
         weights = checkpoint_identity(path) if path else f"seed={options.seed}"
@@ -112,6 +113,37 @@ class QwenVLEncoder(VisionEncoder):
         grid = [int(v) for v in out["image_grid_thw"][0]]
         return PreparedItem(
             pixels=out["pixel_values"], mm_hash=self.mm_hash(data), meta={"grid_thw": grid}, batch_key=()
+        )
+
+    def preprocess_video(self, video: Video) -> PreparedItem:
+        """Frames -> patches laid out as Qwen's video processor does: frames in groups of
+        ``temporal_patch_size`` (the last repeated to fill a group), ``grid_thw`` = [groups, h, w].
+
+        Built from the image processor (no torchvision): it emits each frame's patches with
+        the frame repeated along the temporal axis; taking one copy per frame and stacking
+        consecutive frames on that axis gives the video layout. Two identical frames
+        therefore embed exactly like the image alone.
+        """
+        images = [open_image(f, max_pixels=self.options.max_decode_pixels, min_side=self.patch_size) for f in video.frames]
+        for index, image in enumerate(images[1:], start=1):
+            if image.size != images[0].size:
+                raise MediaError(
+                    f"video frame {index} is {image.width}x{image.height} but frame 0 is "
+                    f"{images[0].width}x{images[0].height}; all frames must have one size"
+                )
+        out = self.processor(images=images, return_tensors="pt")
+        _, grid_h, grid_w = (int(v) for v in out["image_grid_thw"][0])
+        tps, p, n = self.temporal_patch_size, self.patch_size, grid_h * grid_w
+        frames = out["pixel_values"].view(len(images), n, 3, tps, p, p)[:, :, :, 0]  # [T, n, C, p, p]
+        if len(images) % tps:
+            frames = torch.cat([frames, frames[-1:].expand(tps - len(images) % tps, -1, -1, -1, -1)])
+        groups = frames.shape[0] // tps
+        pixels = frames.view(groups, tps, n, 3, p, p).permute(0, 2, 3, 1, 4, 5).reshape(groups * n, 3 * tps * p * p)
+        return PreparedItem(
+            pixels=pixels.contiguous(),
+            mm_hash=self.mm_hash(video),
+            meta={"grid_thw": [groups, grid_h, grid_w], "frames": len(images)},
+            batch_key=(),
         )
 
     def embed(self, items: Sequence[PreparedItem]) -> list[torch.Tensor]:

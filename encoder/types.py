@@ -75,6 +75,17 @@ def payload_to_tensor(payload: np.ndarray, dtype: str) -> torch.Tensor:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Video:
+    """A video item as the frames' encoded image bytes, in order (an image item is plain ``bytes``)."""
+
+    frames: tuple[bytes, ...]
+
+
+#: What one request item carries from the ingress to the encoder.
+Media = bytes | Video
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class PreparedItem:
     """One decoded, preprocessed media item, ready for the vision tower.
 

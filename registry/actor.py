@@ -25,6 +25,7 @@ from typing import Any
 
 import ray
 
+from encoder.types import Media
 from registry.encoding import EncoderClient
 from registry.errors import InvalidRequest, NotReady, RegistryError, Unavailable
 from registry.metrics import RegistryMetrics
@@ -76,7 +77,7 @@ class EmbeddingRegistry:
     # --- ingress ------------------------------------------------------------------
 
     async def submit(
-        self, req_id: str, items: list[bytes], digest: str, receive_count: int | None, wait: bool
+        self, req_id: str, items: list[Media], digest: str, receive_count: int | None, wait: bool
     ) -> dict[str, Any]:
         """Accept an encode (or join the live one with this req_id) and return its description.
 
@@ -153,7 +154,7 @@ class EmbeddingRegistry:
 
     # --- encoding -----------------------------------------------------------------
 
-    async def _run_encode(self, req_id: str, items: list[bytes], accepted_at: float) -> None:
+    async def _run_encode(self, req_id: str, items: list[Media], accepted_at: float) -> None:
         staged: list[StagedItem] = []
         error: RegistryError | None = None
         try:

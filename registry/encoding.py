@@ -25,6 +25,7 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RayServeException
 
 from encoder.base import content_hash
+from encoder.types import Media
 from registry.cache import EncoderCache
 from registry.errors import EncodeFailed, Overloaded, RegistryError, Unavailable, unwrap
 from registry.state import StagedItem
@@ -64,7 +65,7 @@ class EncoderClient:
         self.cache.max_bytes = cache_max_bytes
         self._identity = None  # a (re)deploy may have changed the model: ask again
 
-    async def encode(self, req_id: str, index: int, data: bytes) -> StagedItem:
+    async def encode(self, req_id: str, index: int, data: Media) -> StagedItem:
         """The staged item for ``data``; raises a ``RegistryError`` naming ``req_id`` and ``index``."""
         try:
             key = content_hash(data, await self._model_identity())
@@ -95,7 +96,7 @@ class EncoderClient:
     def stats(self) -> dict[str, int]:
         return {**self.cache.stats(), "encodes_joined_total": self.joined, "item_encodes_in_flight": len(self._inflight)}
 
-    async def _call(self, key: str, data: bytes) -> StagedItem:
+    async def _call(self, key: str, data: Media) -> StagedItem:
         handle = await self._deployment()
         response = handle.encode.remote(data)
         ref = None

@@ -95,3 +95,42 @@ def llava_logits_from_embeddings(model, input_ids: torch.Tensor, embeddings: lis
     inputs_embeds = model.get_input_embeddings()(input_ids)
     inputs_embeds = inputs_embeds.masked_scatter(image_mask.unsqueeze(-1), torch.cat(embeddings).to(inputs_embeds.dtype))
     return model(inputs_embeds=inputs_embeds).logits
+
+
+def qwen_video_reference_pixels(processor, frames) -> tuple[torch.Tensor, list[int]]:
+    """Video patches as transformers' Qwen2-VL *video* processor lays them out (its
+    ``_patchify``, written out here because that module imports torchvision), from
+    the frames the image processor resized and normalised. -> (pixels, grid_thw)."""
+    out = processor(images=frames, return_tensors="pt")
+    _, grid_h, grid_w = (int(v) for v in out["image_grid_thw"][0])
+    p, m, tps, count = processor.patch_size, processor.merge_size, processor.temporal_patch_size, len(frames)
+    # Undo the image processor's patchify: (gh/m, gw/m, m, m, C, tps, p, p) -> (C, H, W) per frame.
+    per_frame = out["pixel_values"].view(count, grid_h // m, grid_w // m, m, m, 3, tps, p, p)[:, :, :, :, :, :, 0]
+    videos = per_frame.permute(0, 5, 1, 3, 6, 2, 4, 7).reshape(1, count, 3, grid_h * p, grid_w * p)
+    if pad := -count % tps:
+        videos = torch.cat((videos, videos[:, -1:].expand(-1, pad, -1, -1, -1)), dim=1)
+    grid_t = videos.shape[1] // tps
+    patches = videos.view(1, grid_t, tps, 3, grid_h // m, m, p, grid_w // m, m, p)
+    patches = patches.permute(0, 1, 4, 7, 5, 8, 3, 2, 6, 9)
+    return patches.reshape(grid_t * grid_h * grid_w, 3 * tps * p * p), [grid_t, grid_h, grid_w]
+
+
+def save_qwen2_vl(path: str, seed: int = 0):
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
+
+    config = Qwen2VLConfig(
+        text_config=dict(**_TEXT, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=2, embed_dim=32, num_heads=2, mlp_ratio=2, hidden_size=64, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2),
+        image_token_id=QWEN_IMAGE_TOKEN, video_token_id=QWEN_VIDEO_TOKEN,
+        vision_start_token_id=QWEN_VISION_START, vision_end_token_id=QWEN_VISION_END,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = Qwen2VLForConditionalGeneration(config).eval()
+    model.save_pretrained(path, max_shard_size="200KB")
+    Qwen2VLImageProcessorPil(
+        min_pixels=56 * 56, max_pixels=224 * 224, patch_size=14, merge_size=2, temporal_patch_size=2
+    ).save_pretrained(path)
+    return model

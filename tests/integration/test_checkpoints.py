@@ -12,11 +12,12 @@ from models import (
     llava_prompt,
     qwen_logits_from_embeddings,
     qwen_prompt,
+    qwen_video_reference_pixels,
     save_llava,
     save_qwen2_5_vl,
 )
 from registry import lookup_registry
-from support import RankActor, image_bytes, image_item, one_thread
+from support import RankActor, data_url, image_bytes, image_item, one_thread
 
 IMAGES = [image_bytes(150, 100, seed=51), image_bytes(96, 64, seed=52)]
 NAMESPACE = "epd-tests"
@@ -104,6 +105,27 @@ def test_llava_clip_checkpoint_served_embeddings_give_monolithic_logits(cluster,
         disaggregated = llava_logits_from_embeddings(model, input_ids, embeddings)
     assert all(torch.equal(a, b) for a, b in zip(embeddings, features))
     torch.testing.assert_close(disaggregated, monolithic, rtol=0, atol=0)
+
+
+def test_qwen_video_item_served_equals_the_models_video_features(cluster, served):
+    model, prefix, ranks, path = served["epd-qwen"]
+    frames = [image_bytes(150, 100, seed=s) for s in (81, 82, 83)]
+    body = {"receive_count": 2, "items": [{"type": "video", "video": [data_url(f) for f in frames]}, image_item(IMAGES[0])]}
+    response = cluster.http.post(f"{prefix}/v1/encode", json=body)
+    assert response.status_code == 200, response.text
+    out = response.json()
+    assert out["items"][0]["frames"] == 3 and out["items"][0]["grid_thw"][0] == 2  # 3 frames, padded to 2 groups
+    results = ray.get([rank.fetch.remote(out["req_id"]) for rank in ranks])
+    assert results[0]["bytes"] == results[1]["bytes"]
+    video = torch.from_numpy(np.frombuffer(results[0]["bytes"][0], dtype=np.float32).reshape(results[0]["shapes"][0]).copy())
+
+    from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
+
+    pixels, grid = qwen_video_reference_pixels(Qwen2VLImageProcessorPil.from_pretrained(path), [_pil(f) for f in frames])
+    assert grid == out["items"][0]["grid_thw"]
+    with torch.no_grad(), one_thread():
+        reference = model.get_video_features(pixels, torch.tensor([grid])).pooler_output[0]
+    assert torch.equal(video, reference)
 
 
 def _pil(data):

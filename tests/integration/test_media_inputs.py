@@ -1,11 +1,14 @@
 """Image URLs and local files through the running service: what the policy allows, and what it refuses."""
 
+import asyncio
 import os
 
+import httpx
 import pytest
 import ray
+from ray import serve
 
-from support import MODEL_SPEC, image_bytes, reference_embedding, registry_stats
+from support import MODEL_SPEC, data_url, image_bytes, image_item, reference_embedding, registry_stats
 
 SERVED = image_bytes(224, 224, seed=71)  # what conftest's media server and media root hold
 
@@ -26,6 +29,34 @@ def test_allowed_url_or_file_is_encoded(cluster, where):
     assert response.status_code == 200, response.text
     result = ray.get(cluster.ranks[0].fetch.remote(response.json()["req_id"]))
     assert result["bytes"] == [reference_embedding(SERVED, **MODEL_SPEC).tobytes()]
+
+
+def test_bad_items_fail_alone_among_concurrent_good_ones(cluster):
+    encoder = serve.get_deployment_handle("Encoder", app_name="epd")
+    pid = encoder.stats.remote().result()["pid"]
+    good = [image_bytes(96, 64, seed=90 + i) for i in range(8)]
+    bad = [image_bytes(96, 64, seed=99)[:200] for _ in range(8)]  # truncated PNGs: they fail while decoding
+
+    async def post_all():
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=60) as client:
+            bodies = [{"req_id": f"mix-{i}", "receive_count": 1, "items": [image_item(d)]} for i, d in enumerate(good + bad)]
+            return await asyncio.gather(*(client.post("/v1/encode", json=b) for b in bodies))
+
+    responses = asyncio.run(post_all())
+    assert [r.status_code for r in responses] == [200] * 8 + [422] * 8
+    results = ray.get([cluster.ranks[0].fetch.remote(f"mix-{i}") for i in range(8)])
+    assert [r["bytes"] for r in results] == [[reference_embedding(d, **MODEL_SPEC).tobytes()] for d in good]
+    assert encoder.stats.remote().result()["pid"] == pid  # the replica lived through it
+
+
+def test_video_limits_and_families_without_video(cluster):
+    frame = data_url(image_bytes(32, 32, seed=72))
+    too_many = cluster.http.post("/v1/encode", json={"items": [{"type": "video", "video": [frame] * 65}]})
+    assert too_many.status_code == 422 and "max_video_frames" in too_many.json()["error"]["message"]
+    # This app serves tiny-vit, which takes images only: refused by the encoder, alone, as items[0].
+    response = cluster.http.post("/v1/encode", json={"receive_count": 1, "items": [{"type": "video", "video": [frame]}]})
+    assert response.status_code == 422 and response.json()["error"]["message"].startswith("items[0]: ")
+    assert "takes images only" in response.json()["error"]["message"]
 
 
 def _refusals(cluster, tmp_path_factory):

@@ -78,7 +78,8 @@ def test_item_bytes_accepts_data_uri_and_base64():
 @pytest.mark.parametrize(
     "item,message",
     [
-        ({"type": "video"}, "unsupported item type"),
+        ({"type": "audio"}, "unsupported item type"),
+        ({"type": "video", "video": []}, "non-empty list of frame URLs"),
         ({"type": "image_url", "image_url": {"url": "http://10.0.0.1/x.png"}}, "remote media fetching is off"),
         ({"type": "image_url", "image_url": {"url": "/etc/passwd"}}, "local media files are off"),
         ({"type": "image_url", "image_url": {"url": "data:image/png,abc"}}, "must be base64"),

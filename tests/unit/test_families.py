@@ -7,15 +7,17 @@ import numpy as np
 import pytest
 import torch
 
-from encoder import EncoderSpec, build_encoder
+from encoder import EncoderSpec, Video, build_encoder
 from encoder.checkpoint import CheckpointError
 from models import (
     llava_logits_from_embeddings,
     llava_prompt,
     qwen_logits_from_embeddings,
     qwen_prompt,
+    qwen_video_reference_pixels,
     save_llava,
     save_qwen2_5_vl,
+    save_qwen2_vl,
 )
 from support import image_bytes, one_thread
 
@@ -154,3 +156,55 @@ def test_directory_without_weights_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl_vision"}))
     with pytest.raises(CheckpointError, match="only safetensors"):
         build_encoder(EncoderSpec(family="qwen2_5_vl", path=str(tmp_path)))
+
+
+def _pil(data):
+    import io
+
+    from PIL import Image
+
+    return Image.open(io.BytesIO(data)).convert("RGB")
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 4])
+def test_video_frames_are_laid_out_like_qwens_video_processor(count):
+    encoder = build_encoder(EncoderSpec(family="qwen2_5_vl"))
+    frames = [image_bytes(150, 100, seed=s) for s in range(count)]
+    prepared = encoder.prepare(Video(tuple(frames)))
+    reference, grid = qwen_video_reference_pixels(encoder.processor, [_pil(f) for f in frames])
+    assert prepared.meta["grid_thw"] == grid and prepared.meta["frames"] == count
+    assert torch.equal(prepared.pixels, reference)
+
+
+def test_two_identical_frames_embed_like_the_image():
+    encoder = build_encoder(EncoderSpec(family="qwen2_5_vl"))
+    with one_thread():
+        image = encoder.encode_batch([encoder.prepare(IMAGES[0])])[0]
+        video = encoder.encode_batch([encoder.prepare(Video((IMAGES[0], IMAGES[0])))])[0]
+    assert torch.equal(image.tensor(), video.tensor()) and image.meta["mm_hash"] != video.meta["mm_hash"]
+
+
+@pytest.mark.parametrize(
+    "family,frames,message",
+    [
+        ("qwen2_5_vl", (IMAGES[0], IMAGES[1]), "frame 1 is 96x64 but frame 0 is 150x100"),
+        ("qwen2_5_vl", (IMAGES[0], b"not an image"), "not an image"),
+        ("llava", (IMAGES[0],), "takes images only"),
+        ("tiny-vit", (IMAGES[0],), "takes images only"),
+    ],
+)
+def test_bad_videos_are_refused(family, frames, message):
+    from encoder import MediaError
+
+    with pytest.raises(MediaError, match=message):
+        build_encoder(EncoderSpec(family=family)).prepare(Video(frames))
+
+
+def test_qwen2_vl_checkpoint_loads_vision_only_and_matches_the_model(tmp_path):
+    model = save_qwen2_vl(str(tmp_path))
+    encoder = build_encoder(EncoderSpec(family="qwen2_vl", path=str(tmp_path)))
+    assert encoder.loaded_keys and all(k.startswith("visual.") for k in encoder.loaded_keys)
+    prepared = encoder.preprocess(IMAGES[0])
+    with torch.no_grad():
+        reference = model.get_image_features(prepared.pixels, torch.tensor([prepared.meta["grid_thw"]])).pooler_output[0]
+    assert torch.equal(encoder.encode_batch([prepared])[0].tensor(), reference)
