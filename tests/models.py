@@ -17,9 +17,25 @@ _TEXT = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_
              num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
+def _build_and_save(model_cls, config, processor, path: str, seed: int, max_shard_size: str):
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = model_cls(config).eval()
+    model.save_pretrained(path, max_shard_size=max_shard_size)  # small shards: the checkpoint is really sharded
+    processor.save_pretrained(path)
+    return model
+
+
+def _qwen_processor():
+    from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(
+        min_pixels=56 * 56, max_pixels=224 * 224, patch_size=14, merge_size=2, temporal_patch_size=2
+    )
+
+
 def save_qwen2_5_vl(path: str, seed: int = 0):
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-    from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
 
     config = Qwen2_5_VLConfig(
         text_config=dict(**_TEXT, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
@@ -29,14 +45,7 @@ def save_qwen2_5_vl(path: str, seed: int = 0):
         image_token_id=QWEN_IMAGE_TOKEN, video_token_id=QWEN_VIDEO_TOKEN,
         vision_start_token_id=QWEN_VISION_START, vision_end_token_id=QWEN_VISION_END,
     )
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = Qwen2_5_VLForConditionalGeneration(config).eval()
-    model.save_pretrained(path, max_shard_size="200KB")
-    Qwen2VLImageProcessorPil(
-        min_pixels=56 * 56, max_pixels=224 * 224, patch_size=14, merge_size=2, temporal_patch_size=2
-    ).save_pretrained(path)
-    return model
+    return _build_and_save(Qwen2_5_VLForConditionalGeneration, config, _qwen_processor(), path, seed, "200KB")
 
 
 def save_llava(path: str, vision: str = "clip", seed: int = 0):
@@ -55,12 +64,7 @@ def save_llava(path: str, vision: str = "clip", seed: int = 0):
         vision_config=vision_config.to_dict(), text_config=dict(model_type="llama", **_TEXT),
         image_token_id=LLAVA_IMAGE_TOKEN, vision_feature_layer=-2, vision_feature_select_strategy=strategy,
     )
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = LlavaForConditionalGeneration(config).eval()
-    model.save_pretrained(path, max_shard_size="100KB")
-    processor.save_pretrained(path)
-    return model
+    return _build_and_save(LlavaForConditionalGeneration, config, processor, path, seed, "100KB")
 
 
 def qwen_prompt(token_counts: list[int]) -> torch.Tensor:
@@ -117,7 +121,6 @@ def qwen_video_reference_pixels(processor, frames) -> tuple[torch.Tensor, list[i
 
 def save_qwen2_vl(path: str, seed: int = 0):
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
-    from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
 
     config = Qwen2VLConfig(
         text_config=dict(**_TEXT, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
@@ -126,11 +129,4 @@ def save_qwen2_vl(path: str, seed: int = 0):
         image_token_id=QWEN_IMAGE_TOKEN, video_token_id=QWEN_VIDEO_TOKEN,
         vision_start_token_id=QWEN_VISION_START, vision_end_token_id=QWEN_VISION_END,
     )
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = Qwen2VLForConditionalGeneration(config).eval()
-    model.save_pretrained(path, max_shard_size="200KB")
-    Qwen2VLImageProcessorPil(
-        min_pixels=56 * 56, max_pixels=224 * 224, patch_size=14, merge_size=2, temporal_patch_size=2
-    ).save_pretrained(path)
-    return model
+    return _build_and_save(Qwen2VLForConditionalGeneration, config, _qwen_processor(), path, seed, "200KB")

@@ -99,6 +99,7 @@ def test_item_bytes_refuses_with_a_reason(item, message):
         (b"not an image at all", "not an image in a supported format"),
         (image_bytes(64, 64)[:200], "corrupt or truncated"),
         (image_bytes(8, 64), "at least 16 pixels"),
+        (image_bytes(64, 64, fmt="PPM"), "format PPM is not supported"),
     ],
 )
 def test_preprocess_refuses_bad_images(enc, data, message):
