@@ -30,7 +30,7 @@ from registry.encoding import EncoderClient
 from registry.errors import InvalidRequest, NotReady, RegistryError, Unavailable
 from registry.metrics import RegistryMetrics
 from registry.settings import RegistrySettings
-from registry.state import PENDING, RELEASED, STAGED, RegistryState, StagedItem, ended_error
+from registry.state import PENDING, RELEASED, STAGED, Entry, RegistryState, StagedItem, ended_error
 
 MAX_WAIT_S = 3600.0
 
@@ -94,7 +94,7 @@ class EmbeddingRegistry:
             raise
         self._metrics.encode_requests.inc(tags={"result": "accepted" if created else "duplicate"})
         if created:
-            self._encode_tasks[req_id] = asyncio.create_task(self._run_encode(req_id, items, entry.created_at))
+            self._encode_tasks[req_id] = asyncio.create_task(self._run_encode(entry, items))
             self._changed_now(req_id)
         while wait and entry.state == PENDING:
             await self._wait_change(req_id, None)
@@ -154,7 +154,8 @@ class EmbeddingRegistry:
 
     # --- encoding -----------------------------------------------------------------
 
-    async def _run_encode(self, req_id: str, items: list[Media], accepted_at: float) -> None:
+    async def _run_encode(self, entry: Entry, items: list[Media]) -> None:
+        req_id = entry.req_id
         staged: list[StagedItem] = []
         error: RegistryError | None = None
         try:
@@ -170,12 +171,13 @@ class EmbeddingRegistry:
             )
         finally:
             # Done before the state changes below, so _changed_now never cancels this task.
-            self._encode_tasks.pop(req_id, None)
+            if self._encode_tasks.get(req_id) is asyncio.current_task():
+                del self._encode_tasks[req_id]
         if error is not None:
-            if self._state.fail(req_id, error, time.time()):
+            if self._state.fail(entry, error, time.time()):
                 self._count_error(error)
-        elif self._state.stage(req_id, staged, time.time()):
-            self._metrics.encode_latency.observe(time.time() - accepted_at)
+        elif self._state.stage(entry, staged, time.time()):
+            self._metrics.encode_latency.observe(time.time() - entry.created_at)
         else:
             self._metrics.late_results.inc()  # the refs in `staged` are dropped right here
         self._changed_now(req_id)

@@ -25,9 +25,10 @@ Rules:
   receive_count) returns the existing entry; with a different one it is a
   ``conflict``. A released ``req_id`` cannot be reused (``already_released``);
   one that failed, expired or was cancelled can be encoded afresh.
-* A result that arrives for an entry no longer pending (cancelled, expired, or
-  unknown after a restart) is refused: ``stage``/``fail`` return False and the
-  caller drops the refs, so nothing is staged that nobody owns.
+* A result that arrives for an entry no longer pending (cancelled, expired,
+  replaced by a fresh encode of the same req_id, or unknown after a restart) is
+  refused: ``stage``/``fail`` (given the entry ``accept`` returned) return False
+  and the caller drops the refs, so nothing is staged that nobody owns.
 
 Who calls what: the ingress ``accept``s, ``cancel``s and ``describe``s; the
 registry's encode task ``stage``s or ``fail``s; ranks ``fetch``; a timer calls
@@ -193,10 +194,14 @@ class RegistryState:
 
     # --- encode task --------------------------------------------------------------
 
-    def stage(self, req_id: str, items: list[StagedItem], now: float) -> bool:
-        """Stage the encoded items. False: the entry is no longer pending; drop them."""
-        entry = self._live.get(req_id)
-        if entry is None:
+    def stage(self, entry: Entry, items: list[StagedItem], now: float) -> bool:
+        """Stage the encoded items of ``entry`` (as ``accept`` returned it).
+
+        False: ``entry`` is no longer the pending entry of its req_id (it was cancelled
+        or expired, or the req_id was encoded afresh since); the caller drops the items.
+        Taking the entry, not the req_id, keeps a stale result out of a newer entry.
+        """
+        if not self._is_pending(entry):
             return False
         self._move(entry, STAGED)
         entry.items = [StagedItem({"index": i, **item.meta}, item.ref) for i, item in enumerate(items)]
@@ -208,14 +213,16 @@ class RegistryState:
         self.totals["staged"] += 1
         return True
 
-    def fail(self, req_id: str, error: RegistryError, now: float) -> bool:
-        """Record a failed encode. False: the entry is no longer pending."""
-        entry = self._live.get(req_id)
-        if entry is None:
+    def fail(self, entry: Entry, error: RegistryError, now: float) -> bool:
+        """Record that encoding ``entry`` failed. False, as for ``stage``."""
+        if not self._is_pending(entry):
             return False
         entry.error = error.fresh()  # the tombstone must not pin the failed call's frames
         self._end(entry, FAILED, now)
         return True
+
+    def _is_pending(self, entry: Entry) -> bool:
+        return self._live.get(entry.req_id) is entry and entry.state == PENDING
 
     # --- ranks --------------------------------------------------------------------
 

@@ -27,8 +27,9 @@ def state():
 
 
 def stage_new(state, req_id="r", receive_count=2, now=0.0, n=2):
-    state.accept(req_id, "d", receive_count, now)
-    assert state.stage(req_id, staged_items(n), now)
+    entry, _ = state.accept(req_id, "d", receive_count, now)
+    assert state.stage(entry, staged_items(n), now)
+    return entry
 
 
 def test_accept_creates_pending_and_retry_joins_it(state):
@@ -116,19 +117,19 @@ def test_staged_entry_expires_after_ttl(state):
 
 
 def test_pending_entry_expires_after_encode_timeout_and_late_result_is_dropped(state):
-    state.accept("r", "d", 1, 0.0)
+    entry, _ = state.accept("r", "d", 1, 0.0)
     assert state.next_deadline() == 5.0
     assert state.expire_due(5.0) == ["r"]
-    assert state.stage("r", staged_items(), 6.0) is False
-    assert state.fail("r", EncodeFailed("boom", "r"), 6.0) is False
+    assert state.stage(entry, staged_items(), 6.0) is False
+    assert state.fail(entry, EncodeFailed("boom", "r"), 6.0) is False
     assert state.get("r", 6.0).state == "expired"
     assert state.stats(6.0)["staged"] == 0
 
 
 def test_cancel_pending_and_staged(state):
-    state.accept("p", "d", 1, 0.0)
+    pending, _ = state.accept("p", "d", 1, 0.0)
     assert state.cancel("p", 1.0).state == "cancelled"
-    assert state.stage("p", staged_items(), 2.0) is False  # encode finished after cancel: dropped
+    assert state.stage(pending, staged_items(), 2.0) is False  # encode finished after cancel: dropped
     stage_new(state, "s", receive_count=2)
     assert state.cancel("s", 1.0).state == "cancelled"
     with pytest.raises(Cancelled):
@@ -140,8 +141,8 @@ def test_cancel_pending_and_staged(state):
 
 
 def test_failed_entry_reports_cause_and_can_be_retried(state):
-    state.accept("r", "d", 2, 0.0)
-    assert state.fail("r", InvalidRequest("items[0]: not an image", "r"), 1.0)
+    entry, _ = state.accept("r", "d", 2, 0.0)
+    assert state.fail(entry, InvalidRequest("items[0]: not an image", "r"), 1.0)
     with pytest.raises(EncodeFailed) as info:
         state.fetch("r", 0, 2.0)
     assert info.value.details["cause"] == {"code": "invalid_request", "message": "items[0]: not an image"}
@@ -149,6 +150,16 @@ def test_failed_entry_reports_cause_and_can_be_retried(state):
     assert described["state"] == "failed" and described["error"]["code"] == "invalid_request"
     entry, created = state.accept("r", "d2", 2, 3.0)
     assert created and entry.state == "pending"
+
+
+def test_a_stale_result_never_lands_in_a_newer_entry_of_the_same_req_id(state):
+    old, _ = state.accept("r", "d", 1, 0.0)
+    state.cancel("r", 1.0)
+    new, created = state.accept("r", "d", 1, 2.0)  # encoded afresh after the cancel
+    assert created and new is not old
+    assert state.stage(old, staged_items(), 3.0) is False  # the first attempt's result arrives late
+    assert state.get("r", 3.0).state == "pending"
+    assert state.stage(new, staged_items(), 4.0) and state.stage(new, staged_items(), 4.0) is False
 
 
 def test_released_req_id_cannot_be_reused(state):
@@ -200,7 +211,7 @@ def test_describe_lists_items_and_ranks(state):
 
 
 def test_failed_entry_keeps_no_traceback_of_the_failure(state):
-    state.accept("r", "d", 1, 0.0)
+    entry, _ = state.accept("r", "d", 1, 0.0)
 
     def failing_call():
         big_local = bytearray(10**6)  # what a traceback would pin
@@ -209,6 +220,6 @@ def test_failed_entry_keeps_no_traceback_of_the_failure(state):
     try:
         failing_call()
     except InvalidRequest as raised:
-        state.fail("r", raised, 1.0)
+        state.fail(entry, raised, 1.0)
     stored = state.get("r", 1.0).error
     assert stored.message == "items[0]: bad" and stored.__traceback__ is None and stored.__context__ is None
