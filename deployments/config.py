@@ -92,6 +92,16 @@ class AppConfig(BaseModel):
     encode_timeout_s: float = Field(120.0, gt=0, description="Seconds an entry may stay pending before it expires.")
     tombstone_ttl_s: float = Field(600.0, ge=0, description="Seconds an ended entry is remembered for late callers.")
     max_tombstones: int = Field(10_000, ge=0, description="Most ended entries remembered (oldest dropped first).")
+    max_pending_requests: int = Field(
+        4096, ge=1, description="Requests being encoded at once; past it new ones get overloaded (429)."
+    )
+    max_staged_bytes: int = Field(
+        8 * 1024**3, ge=1, description="Bytes of staged embeddings entries may hold; past it new requests get 429."
+    )
+    max_object_store_fraction: float = Field(
+        0.5, gt=0, le=0.9,
+        description="Also cap staged bytes at this share of the cluster's object store, so it never fills with them.",
+    )
     registry_max_concurrency: int = Field(
         10_000, ge=16, description="Concurrent calls the registry accepts; each waiting fetch holds one."
     )
@@ -118,6 +128,12 @@ class AppConfig(BaseModel):
     max_item_bytes: int = Field(20 * _MiB, ge=1, description="Largest decoded media item, in bytes.")
     max_request_bytes: int = Field(64 * _MiB, ge=1, description="Largest HTTP request body, in bytes (else 413).")
     model: ModelConfig = Field(default_factory=ModelConfig, description="The vision tower to serve.")
+    api_token: str | None = Field(
+        None,
+        min_length=16,
+        description="Bearer token HTTP clients must send (Authorization: Bearer ...); /health stays open. "
+        "Absent: the EPD_API_TOKEN environment variable of the ingress replicas, else no token.",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> "AppConfig":
@@ -153,7 +169,10 @@ class AppConfig(BaseModel):
                 max_receive_count=self.max_receive_count,
                 tombstone_ttl_s=self.tombstone_ttl_s,
                 max_tombstones=self.max_tombstones,
+                max_pending=self.max_pending_requests,
+                max_staged_bytes=self.max_staged_bytes,
             ),
+            object_store_fraction=self.max_object_store_fraction,
             default_receive_count=self.default_receive_count,
             encoder_app=encoder_app,
             encoder_deployment="Encoder",

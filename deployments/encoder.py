@@ -32,6 +32,8 @@ _BATCH_BOUNDARIES = [1, 2, 4, 8, 16, 32, 64, 128]
 @serve.deployment(
     name="Encoder",
     max_ongoing_requests=64,
+    # Bounded, so a flood surfaces as `overloaded` (BackPressureError) instead of memory growth.
+    max_queued_requests=4096,
     user_config=BatchConfig().model_dump(),
     ray_actor_options={"num_cpus": 1},
 )

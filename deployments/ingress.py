@@ -14,6 +14,7 @@ exception itself.
 # annotations at runtime, and as strings `request: Request` became a query parameter.
 import asyncio
 import hashlib
+import hmac
 import json
 import uuid
 from typing import Any
@@ -40,10 +41,12 @@ from registry.errors import (
     InvalidRequest,
     PayloadTooLarge,
     RegistryError,
+    Unauthorized,
     Unavailable,
     http_status,
     unwrap,
 )
+from registry.settings import api_token_from_env
 
 _HEALTH_TIMEOUT_S = 5.0
 _RETRY_AFTER_S = "1"
@@ -61,6 +64,8 @@ _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 def error_response(error: RegistryError) -> JSONResponse:
     status = http_status(error)
     headers = {"Retry-After": _RETRY_AFTER_S} if status in (429, 503) else None
+    if status == 401:
+        headers = {"WWW-Authenticate": "Bearer"}
     return JSONResponse(error.to_dict(mask=status >= 500), status_code=status, headers=headers)
 
 
@@ -101,11 +106,22 @@ class Ingress:
     def __init__(self, encoder: DeploymentHandle, config: dict[str, Any]):
         self._config = AppConfig.model_validate(config)
         self._media_policy = self._config.media_policy()
+        token = self._config.api_token or api_token_from_env()
+        self._token = token.encode() if token else None
         self._encoder = encoder
         settings = self._config.registry_settings(encoder_app=serve.get_replica_context().app_name)
         self._registry = get_or_create_registry(settings)
         # Blocking is fine here: the replica serves nothing until its constructor returns.
         ray.get(self._registry.configure.remote(settings))
+
+    def _authorize(self, request: Request) -> None:
+        """With a token configured, every route but /health needs ``Authorization: Bearer <token>``."""
+        if self._token is None:
+            return
+        scheme, _, value = request.headers.get("authorization", "").partition(" ")
+        # compare_digest: the time taken must not tell how much of a guess was right.
+        if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), self._token):
+            raise Unauthorized("missing or wrong API token; send the header Authorization: Bearer <token>")
 
     async def _call(self, method: str, *args: Any) -> Any:
         try:
@@ -149,6 +165,7 @@ class Ingress:
     )
     async def post_encode(self, request: Request) -> JSONResponse:
         """Encode media items and stage their embeddings for `receive_count` TP ranks."""
+        self._authorize(request)
         raw = await _read_body(request, self._config.max_request_bytes)
         try:
             body = json.loads(raw)
@@ -158,18 +175,23 @@ class Ingress:
         return JSONResponse(out, status_code=202 if out["state"] == "pending" else 200)
 
     @api.get("/v1/requests/{req_id}", response_model=RequestState, responses=_ERROR_RESPONSES)
-    async def get_request(self, req_id: str, wait_s: float = Query(0.0, ge=0, le=3600)) -> dict[str, Any]:
+    async def get_request(
+        self, request: Request, req_id: str, wait_s: float = Query(0.0, ge=0, le=3600)
+    ) -> dict[str, Any]:
         """The state of a request; with `wait_s`, wait up to that long while it is pending."""
+        self._authorize(request)
         return await self._call("describe", req_id, wait_s)
 
     @api.delete("/v1/requests/{req_id}", response_model=RequestState, responses=_ERROR_RESPONSES)
-    async def delete_request(self, req_id: str) -> dict[str, Any]:
+    async def delete_request(self, request: Request, req_id: str) -> dict[str, Any]:
         """Cancel a pending or staged request; its embeddings are dropped."""
+        self._authorize(request)
         return await self._call("cancel", req_id)
 
     @api.get("/v1/stats")
-    async def get_stats(self) -> dict[str, int]:
+    async def get_stats(self, request: Request) -> dict[str, int]:
         """Registry counters: pending, staged, staged_bytes, and totals by outcome."""
+        self._authorize(request)
         return await self._call("stats")
 
     @api.get("/health")

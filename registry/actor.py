@@ -17,6 +17,7 @@ Serve call (building the handle) runs in a thread.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import os
 import time
@@ -30,7 +31,7 @@ from registry.encoding import EncoderClient
 from registry.errors import InvalidRequest, NotReady, RegistryError, Unavailable
 from registry.metrics import RegistryMetrics
 from registry.settings import RegistrySettings
-from registry.state import PENDING, RELEASED, STAGED, Entry, RegistryState, StagedItem, ended_error
+from registry.state import PENDING, RELEASED, STAGED, Entry, Limits, RegistryState, StagedItem, ended_error
 
 MAX_WAIT_S = 3600.0
 
@@ -41,12 +42,20 @@ def _check_wait(value: float, name: str, req_id: str | None) -> float:
     return float(value)
 
 
+def _effective_limits(settings: RegistrySettings) -> Limits:
+    """The limits, with staged bytes also capped at a share of the cluster's object store
+    (blocking: asks the GCS)."""
+    store = ray.cluster_resources().get("object_store_memory", 0)
+    cap = int(store * settings.object_store_fraction) if store else settings.limits.max_staged_bytes
+    return dataclasses.replace(settings.limits, max_staged_bytes=min(settings.limits.max_staged_bytes, cap))
+
+
 class EmbeddingRegistry:
     """Actor class; create it with ``get_or_create_registry``."""
 
     def __init__(self, settings: RegistrySettings):
         self._settings = settings
-        self._state = RegistryState(settings.limits)
+        self._state = RegistryState(_effective_limits(settings))
         self._metrics = RegistryMetrics(settings.name)
         self._changed: dict[str, asyncio.Event] = {}
         self._waiting: _Count[str] = _Count()
@@ -62,7 +71,7 @@ class EmbeddingRegistry:
         """Apply the app's current settings (the actor may predate this deployment)."""
         self._encoder.reconfigure(settings.encoder_app, settings.encoder_deployment, settings.cache_max_bytes)
         self._settings = settings
-        self._state.limits = settings.limits
+        self._state.limits = await asyncio.to_thread(_effective_limits, settings)
         self._timer_wake.set()
 
     async def ping(self) -> dict[str, Any]:
@@ -70,6 +79,7 @@ class EmbeddingRegistry:
 
     async def stats(self) -> dict[str, int]:
         stats = self._state.stats(time.time())
+        stats["max_staged_bytes"] = self._state.limits.max_staged_bytes
         stats["waiting_calls"] = sum(self._waiting.values())
         stats["encodes_in_flight"] = len(self._encode_tasks)
         return {**stats, **self._encoder.stats()}

@@ -59,6 +59,10 @@ class InvalidRequest(RegistryError):
     code = "invalid_request"
 
 
+class Unauthorized(RegistryError):
+    code = "unauthorized"
+
+
 class InvalidRank(RegistryError):
     code = "invalid_rank"
 
@@ -113,6 +117,7 @@ class EncodeFailed(RegistryError):
 HTTP_STATUS: dict[str, int] = {
     InvalidRequest.code: 422,
     InvalidRank.code: 422,
+    Unauthorized.code: 401,
     PayloadTooLarge.code: 413,
     UnknownRequest.code: 404,
     Conflict.code: 409,

@@ -1,9 +1,10 @@
-"""Registry settings, and the one place environment variables are read.
+"""Registry settings, and the one place the project reads environment variables.
 
 Decoder ranks find the registry by name and namespace. The defaults below are
 the ones ``serve_config.yaml`` ships with; ``EPD_REGISTRY_NAME`` and
 ``EPD_REGISTRY_NAMESPACE`` override them for receivers in processes that do not
-see the app config.
+see the app config. ``EPD_API_TOKEN`` is the HTTP API's bearer token when the
+app config does not set ``api_token`` (a secret belongs in the environment).
 """
 
 from __future__ import annotations
@@ -17,6 +18,11 @@ DEFAULT_REGISTRY_NAME = "epd_registry"
 DEFAULT_REGISTRY_NAMESPACE = "epd"
 ENV_REGISTRY_NAME = "EPD_REGISTRY_NAME"
 ENV_REGISTRY_NAMESPACE = "EPD_REGISTRY_NAMESPACE"
+ENV_API_TOKEN = "EPD_API_TOKEN"
+
+
+def api_token_from_env() -> str | None:
+    return os.environ.get(ENV_API_TOKEN) or None
 
 
 def registry_address(name: str | None = None, namespace: str | None = None) -> tuple[str, str]:
@@ -42,3 +48,5 @@ class RegistrySettings:
     max_concurrency: int = 10_000
     # Bytes of embeddings the content-hash cache keeps for reuse; 0 turns it off.
     cache_max_bytes: int = 512 * 1024 * 1024
+    # Staged bytes are also capped at this share of the cluster's object store.
+    object_store_fraction: float = 0.5

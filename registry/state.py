@@ -21,6 +21,9 @@ Rules:
   count again.
 * Deadlines: a pending entry expires ``encode_timeout_s`` after accept; a staged
   entry ``ttl_s`` after staging. ``expire_due`` applies them.
+* Admission: a *new* request is refused with ``overloaded`` while ``max_pending``
+  requests are being encoded or the staged bytes (projected over the pending
+  ones) reach ``max_staged_bytes``; retries of live requests are always answered.
 * Accepting a live ``req_id`` again with the same request (items digest and
   receive_count) returns the existing entry; with a different one it is a
   ``conflict``. A released ``req_id`` cannot be reused (``already_released``);
@@ -53,6 +56,7 @@ from registry.errors import (
     Expired,
     InvalidRank,
     InvalidRequest,
+    Overloaded,
     RegistryError,
     UnknownRequest,
 )
@@ -80,6 +84,9 @@ class Limits:
     max_receive_count: int = 64
     tombstone_ttl_s: float = 600.0
     max_tombstones: int = 10_000
+    # Admission: past either, a new request is refused with ``overloaded``.
+    max_pending: int = 4096
+    max_staged_bytes: int = 8 * 1024**3
 
 
 @dataclasses.dataclass(slots=True)
@@ -143,6 +150,7 @@ class RegistryState:
         # Kept incrementally so stats are O(1) on every change.
         self._live_counts = dict.fromkeys(LIVE_STATES, 0)
         self._staged_bytes = 0
+        self._bytes_staged_ever = 0
         self._live_refs = 0
         self.totals = dict.fromkeys(("accepted", "staged", *TERMINAL_STATES), 0)
 
@@ -166,9 +174,10 @@ class RegistryState:
             return live, False
         self._prune(now)
         ended = self._ended.get(req_id)
+        if ended is not None and ended.state == RELEASED:
+            raise ended_error(ended)
+        self._admit(req_id)
         if ended is not None:
-            if ended.state == RELEASED:
-                raise ended_error(ended)
             del self._ended[req_id]  # failed/expired/cancelled: a fresh attempt is allowed
         entry = Entry(req_id, digest, receive_count, created_at=now)
         self._live[req_id] = entry
@@ -176,6 +185,30 @@ class RegistryState:
         self._set_deadline(entry, now + self.limits.encode_timeout_s)
         self.totals["accepted"] += 1
         return entry, True
+
+    def _admit(self, req_id: str) -> None:
+        """Refuse a new request when pending requests or staged bytes are at their limits.
+
+        Staged bytes are projected: what entries hold now, plus what the pending ones
+        will add at the mean size of the entries staged so far, so a burst of accepted
+        requests cannot overshoot the budget by much once they land.
+        """
+        limits, pending = self.limits, self._live_counts[PENDING]
+        if pending >= limits.max_pending:
+            raise Overloaded(
+                f"{pending} requests are being encoded (max_pending_requests={limits.max_pending}); retry shortly",
+                req_id,
+                {"retry_after_s": 1},
+            )
+        mean = self._bytes_staged_ever // self.totals["staged"] if self.totals["staged"] else 0
+        projected = self._staged_bytes + pending * mean
+        if projected >= limits.max_staged_bytes:
+            raise Overloaded(
+                f"staged embeddings hold {self._staged_bytes} bytes ({projected} with the requests being encoded); "
+                f"the limit is {limits.max_staged_bytes} (max_staged_bytes); retry once ranks have fetched",
+                req_id,
+                {"retry_after_s": 1},
+            )
 
     def cancel(self, req_id: str, now: float) -> Entry:
         """Cancel a live entry (dropping its refs); an ended entry is returned as is."""
@@ -208,6 +241,7 @@ class RegistryState:
         entry.metas = [item.meta for item in entry.items]
         entry.staged_at = now
         self._staged_bytes += entry.nbytes
+        self._bytes_staged_ever += entry.nbytes
         self._live_refs += len(items)
         self._set_deadline(entry, now + self.limits.ttl_s)
         self.totals["staged"] += 1

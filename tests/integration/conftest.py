@@ -10,6 +10,7 @@ import dataclasses
 import gc
 import os
 import pathlib
+import secrets
 import socket
 
 import httpx
@@ -37,9 +38,12 @@ class Cluster:
     app_args: dict  # what the "epd" app was deployed with
     media_url: str  # a local HTTP server the app may fetch from
     media_root: str  # the app's allowed_local_media_path
+    headers: dict  # what an HTTP client of the app must send (its bearer token)
 
 
 MEDIA_FILES = {"/img.png": image_bytes(224, 224, seed=71)}
+API_TOKEN = "test-token-" + secrets.token_hex(16)
+AUTH = {"Authorization": f"Bearer {API_TOKEN}"}
 
 
 @pytest.fixture(scope="session")
@@ -67,15 +71,16 @@ def cluster(tmp_path_factory):
             "allowed_media_domains": ["localhost"],
             "allowed_private_networks": ["127.0.0.1/32", "::1/128"],
             "allowed_local_media_path": str(media_root),
+            "api_token": API_TOKEN,  # every HTTP call of the suite carries it (Cluster.headers)
         }
         serve.run(compose_app(app_args, deployment_options=deployment_options()), name="epd", route_prefix="/")
         url = f"http://127.0.0.1:{port}"
         ranks = [RankActor.remote(r) for r in range(4)]
-        with httpx.Client(base_url=url, timeout=60) as http:
+        with httpx.Client(base_url=url, timeout=60, headers=AUTH) as http:
             wait_until(lambda: http.get("/health").status_code == 200, 60, what="/health to answer 200")
             yield Cluster(
                 url=url, http=http, ranks=ranks, metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
-                app_args=app_args, media_url=media_url, media_root=str(media_root),
+                app_args=app_args, media_url=media_url, media_root=str(media_root), headers=AUTH,
             )
     serve.shutdown()
     ray.kill(lookup_registry())

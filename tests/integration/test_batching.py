@@ -12,7 +12,7 @@ from support import deployment_options, image_bytes, image_item, wait_until
 
 def _encode_concurrently(cluster, tag, n):
     async def run():
-        async with httpx.AsyncClient(base_url=cluster.url, timeout=60) as client:
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=60, headers=cluster.headers) as client:
             bodies = [
                 {"req_id": f"{tag}-{i}", "receive_count": 1, "items": [image_item(image_bytes(128, 128, seed=i))]}
                 for i in range(n)

@@ -24,7 +24,7 @@ def test_200_concurrent_http_encodes_with_2_ranks_each(cluster):
 
     async def post_all():
         limits = httpx.Limits(max_connections=N_REQUESTS, max_keepalive_connections=N_REQUESTS)
-        async with httpx.AsyncClient(base_url=cluster.url, timeout=120, limits=limits) as client:
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=120, limits=limits, headers=cluster.headers) as client:
             bodies = [{"req_id": r, "receive_count": 2, "items": [image_item(d)]} for r, d in zip(req_ids, images)]
             return await asyncio.gather(*(client.post("/v1/encode", json=b) for b in bodies))
 

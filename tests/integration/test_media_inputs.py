@@ -38,7 +38,7 @@ def test_bad_items_fail_alone_among_concurrent_good_ones(cluster):
     bad = [image_bytes(96, 64, seed=99)[:200] for _ in range(8)]  # truncated PNGs: they fail while decoding
 
     async def post_all():
-        async with httpx.AsyncClient(base_url=cluster.url, timeout=60) as client:
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=60, headers=cluster.headers) as client:
             bodies = [{"req_id": f"mix-{i}", "receive_count": 1, "items": [image_item(d)]} for i, d in enumerate(good + bad)]
             return await asyncio.gather(*(client.post("/v1/encode", json=b) for b in bodies))
 

@@ -7,7 +7,7 @@ import pytest
 from registry import errors
 
 CONTRACT = {
-    "invalid_request": 422, "invalid_rank": 422, "payload_too_large": 413, "unknown_request": 404,
+    "invalid_request": 422, "invalid_rank": 422, "unauthorized": 401, "payload_too_large": 413, "unknown_request": 404,
     "conflict": 409, "already_released": 410, "expired": 410, "cancelled": 410, "not_ready": 504,
     "overloaded": 429, "unavailable": 503, "encode_failed": 500,
 }
@@ -46,3 +46,15 @@ def test_unwrap_returns_the_cause_of_a_ray_style_wrapper():
     assert errors.unwrap(Wrapper()) is cause
     plain = ValueError("x")
     assert errors.unwrap(plain) is plain
+
+
+def test_http_error_response_headers():
+    from deployments.ingress import error_response
+
+    overloaded = error_response(errors.Overloaded("queue full", "r"))
+    assert overloaded.status_code == 429 and overloaded.headers["Retry-After"] == "1"
+    assert error_response(errors.Unavailable("down")).headers["Retry-After"] == "1"
+    unauthorized = error_response(errors.Unauthorized("no token"))
+    assert unauthorized.status_code == 401 and unauthorized.headers["WWW-Authenticate"] == "Bearer"
+    failed = error_response(errors.EncodeFailed("secret internals", "r"))
+    assert failed.status_code == 500 and b"secret" not in failed.body

@@ -12,6 +12,7 @@ from registry.errors import (
     Expired,
     InvalidRank,
     InvalidRequest,
+    Overloaded,
     UnknownRequest,
 )
 from registry.state import IllegalTransition, Limits, RegistryState, StagedItem
@@ -223,3 +224,28 @@ def test_failed_entry_keeps_no_traceback_of_the_failure(state):
         state.fail(entry, raised, 1.0)
     stored = state.get("r", 1.0).error
     assert stored.message == "items[0]: bad" and stored.__traceback__ is None and stored.__context__ is None
+
+
+def test_admission_refuses_new_requests_past_max_pending_but_answers_retries():
+    state = RegistryState(Limits(max_pending=2))
+    first, _ = state.accept("a", "d", 1, 0.0)
+    state.accept("b", "d", 1, 0.0)
+    with pytest.raises(Overloaded) as info:
+        state.accept("c", "d", 1, 0.0)
+    assert "max_pending_requests=2" in info.value.message and info.value.details == {"retry_after_s": 1}
+    assert state.accept("a", "d", 1, 0.0) == (first, False)  # a retry is not a new request
+    state.stage(first, staged_items(1), 1.0)
+    assert state.accept("c", "d", 1, 1.0)[1]  # room again
+    with pytest.raises(UnknownRequest):
+        state.get("never-admitted", 1.0)
+
+
+def test_admission_projects_staged_bytes_over_pending_requests():
+    state = RegistryState(Limits(max_staged_bytes=500))
+    stage_new(state, "a", receive_count=1, n=2)  # 200 bytes staged; mean entry 200
+    stage_new(state, "b", receive_count=1, n=2)  # 400
+    state.accept("c", "d", 1, 0.0)  # 400 + 0 pending < 500: admitted, now pending
+    with pytest.raises(Overloaded, match="max_staged_bytes"):
+        state.accept("d", "d", 1, 0.0)  # 400 + 1 pending x 200 >= 500
+    state.fetch("a", 0, 1.0)  # released: 200 staged + 200 projected < 500
+    assert state.accept("d", "d", 1, 1.0)[1]
