@@ -142,6 +142,7 @@ class Ingress:
             raise InvalidRequest(
                 f"{len(request.items)} items in one request; the limit is {cfg.max_items_per_request}", req_id
             )
+
         async def unwrap_item(index: int, item: Any) -> Media:
             try:
                 # Threads: decoding base64 and fetching URLs block, and items of a request go in parallel.
