@@ -46,7 +46,7 @@ import dataclasses
 import heapq
 import itertools
 from collections import OrderedDict
-from typing import Any, Iterable
+from typing import Any
 
 from registry.errors import (
     AlreadyReleased,
@@ -310,9 +310,6 @@ class RegistryState:
         return expired
 
     # --- views --------------------------------------------------------------------
-
-    def live_entries(self) -> Iterable[Entry]:
-        return self._live.values()
 
     def is_live(self, req_id: str) -> bool:
         return req_id in self._live
