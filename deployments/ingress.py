@@ -109,10 +109,10 @@ class Ingress:
         token = self._config.api_token or api_token_from_env()
         self._token = token.encode() if token else None
         self._encoder = encoder
-        settings = self._config.registry_settings(encoder_app=serve.get_replica_context().app_name)
-        self._registry = get_or_create_registry(settings)
+        self._settings = self._config.registry_settings(encoder_app=serve.get_replica_context().app_name)
+        self._registry = get_or_create_registry(self._settings)
         # Blocking is fine here: the replica serves nothing until its constructor returns.
-        ray.get(self._registry.configure.remote(settings))
+        ray.get(self._registry.configure.remote(self._settings))
 
     def _authorize(self, request: Request) -> None:
         """With a token configured, every route but /health needs ``Authorization: Bearer <token>``."""
@@ -126,8 +126,20 @@ class Ingress:
     async def _call(self, method: str, *args: Any) -> Any:
         try:
             return await getattr(self._registry, method).remote(*args)
+        except ray.exceptions.ActorDiedError:
+            # Gone for good (a crash is restarted by Ray, under the same handle): bring up a
+            # new registry for the next call; this one is told to retry.
+            await self._recreate_registry()
+            raise Unavailable("the registry was down and is being recreated; retry shortly") from None
         except Exception as exc:  # noqa: BLE001 - re-raised as the project's error
             raise _as_registry_error(exc) from None
+
+    async def _recreate_registry(self) -> None:
+        try:
+            self._registry = await asyncio.to_thread(get_or_create_registry, self._settings)
+            await self._registry.configure.remote(self._settings, after_loss=True)
+        except Exception:  # noqa: BLE001 - the next call tries again
+            pass
 
     # --- Python handle ------------------------------------------------------------
 

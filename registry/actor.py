@@ -64,11 +64,21 @@ class EmbeddingRegistry:
         self._timer: asyncio.Task | None = None
         self._encoder = EncoderClient(settings.encoder_app, settings.encoder_deployment, settings.cache_max_bytes)
         self._started_at = time.time()
+        # After a crash Ray re-runs this constructor: the table and every object it owned are
+        # gone. Requests staged before cannot be told from ones not sent yet, so for a while
+        # a fetch of an unknown req_id waits only briefly, then says the entry was lost.
+        self._restarted = ray.get_runtime_context().was_current_actor_reconstructed
 
     # --- control ------------------------------------------------------------------
 
-    async def configure(self, settings: RegistrySettings) -> None:
-        """Apply the app's current settings (the actor may predate this deployment)."""
+    async def configure(self, settings: RegistrySettings, after_loss: bool = False) -> None:
+        """Apply the app's current settings (the actor may predate this deployment).
+
+        ``after_loss``: this registry replaces one that died for good, so unknown req_ids
+        are treated as after a restart (lost, told fast).
+        """
+        if after_loss:
+            self._restarted = True
         self._encoder.reconfigure(settings.encoder_app, settings.encoder_deployment, settings.cache_max_bytes)
         self._settings = settings
         self._state.limits = await asyncio.to_thread(_effective_limits, settings)
@@ -141,7 +151,8 @@ class EmbeddingRegistry:
         The caller becomes a borrower of the refs, so it keeps the bytes alive after
         the registry releases them.
         """
-        deadline = time.monotonic() + _check_wait(timeout_s, "timeout_s", req_id)
+        started = time.monotonic()
+        deadline = started + _check_wait(timeout_s, "timeout_s", req_id)
         while True:
             try:
                 result = self._state.fetch(req_id, rank, time.time())
@@ -155,12 +166,39 @@ class EmbeddingRegistry:
                     self._changed_now(req_id)
                 return [(item.meta, item.ref) for item in result.items]
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                self._metrics.fetches.inc(tags={"result": NotReady.code})
+            lost_by = self._lost_deadline(req_id, started)
+            if lost_by is not None and time.monotonic() >= lost_by:
+                error = Unavailable(
+                    f"the registry restarted at {self._started_at:.3f} and lost the entries it held; "
+                    f"req_id {req_id} is unknown to it: if it was encoded before then, encode it again",
+                    req_id,
+                    {"registry_started_at": self._started_at},
+                )
+            elif remaining <= 0:
                 error = NotReady(f"req_id {req_id} was not staged within {timeout_s}s", req_id)
-                self._count_error(error)
-                raise error
-            await self._wait_change(req_id, remaining)
+            else:
+                await self._wait_change(req_id, remaining if lost_by is None else min(remaining, lost_by - time.monotonic()))
+                continue
+            self._metrics.fetches.inc(tags={"result": error.code})
+            self._count_error(error)
+            raise error
+
+    def _lost_deadline(self, req_id: str, fetch_started: float) -> float | None:
+        """When a fetch of ``req_id`` begun at ``fetch_started`` should give up as lost:
+        ``restart_grace_s`` later, but only after a restart, only for a req_id the registry
+        does not know, and only while entries from before the restart could still have
+        been alive (their ttl or encode timeout)."""
+        if not self._restarted or self._state.is_live(req_id):
+            return None
+        limits = self._state.limits
+        if time.time() > self._started_at + max(limits.ttl_s, limits.encode_timeout_s):
+            return None
+        try:
+            self._state.get(req_id, time.time())
+            return None  # it ended after the restart: the tombstone answers
+        except RegistryError:
+            pass
+        return fetch_started + self._settings.restart_grace_s
 
     # --- encoding -----------------------------------------------------------------
 

@@ -86,23 +86,28 @@ class EmbeddingReceiver:
     def fetch(self, req_id: str, timeout_s: float = 30.0) -> list[ReceivedItem]:
         """Blocking fetch. In an async actor use ``fetch_async`` (this would block its loop)."""
         try:
-            pairs = ray.get(self._handle().fetch.remote(req_id, self.rank, timeout_s), timeout=timeout_s + _CALL_GRACE_S)
+            try:
+                call = self._handle().fetch.remote(req_id, self.rank, timeout_s)
+                pairs = ray.get(call, timeout=timeout_s + _CALL_GRACE_S)
+            except ray_exc.ActorDiedError:
+                # A registry recreated under the same name is a new actor: find it and ask once more
+                # (a fetch is idempotent for a rank).
+                self._registry = None
+                pairs = ray.get(self._handle().fetch.remote(req_id, self.rank, timeout_s), timeout=timeout_s + _CALL_GRACE_S)
             values = ray.get([ref for _, ref in pairs], timeout=_CALL_GRACE_S + timeout_s)
         except Exception as exc:  # noqa: BLE001 - translated to the project's errors
-            self._forget_if_dead(exc)
             raise _translate(exc, req_id) from None
         return _items(pairs, values)
 
     async def fetch_async(self, req_id: str, timeout_s: float = 30.0) -> list[ReceivedItem]:
         """``fetch`` for event loops (async actors, FastAPI handlers)."""
         try:
-            pairs = await self._handle().fetch.remote(req_id, self.rank, timeout_s)
+            try:
+                pairs = await self._handle().fetch.remote(req_id, self.rank, timeout_s)
+            except ray_exc.ActorDiedError:
+                self._registry = None  # as in fetch
+                pairs = await self._handle().fetch.remote(req_id, self.rank, timeout_s)
             values = [await ref for _, ref in pairs]
         except Exception as exc:  # noqa: BLE001
-            self._forget_if_dead(exc)
             raise _translate(exc, req_id) from None
         return _items(pairs, values)
-
-    def _forget_if_dead(self, exc: BaseException) -> None:
-        if isinstance(exc, ray_exc.RayActorError):
-            self._registry = None  # look it up again next time (it may have restarted)

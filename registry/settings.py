@@ -50,3 +50,6 @@ class RegistrySettings:
     cache_max_bytes: int = 512 * 1024 * 1024
     # Staged bytes are also capped at this share of the cluster's object store.
     object_store_fraction: float = 0.5
+    # After a restart, how long a fetch of an unknown req_id waits (for a new request
+    # to arrive) before it is answered `unavailable`: its entry was lost.
+    restart_grace_s: float = 5.0

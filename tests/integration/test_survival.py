@@ -1,5 +1,6 @@
 """Staged embeddings outlive the encoder replica that computed them; entries expire on TTL."""
 
+import asyncio
 import hashlib
 import os
 import signal
@@ -10,7 +11,7 @@ import ray
 from ray import serve
 
 from registry import EmbeddingReceiver, Limits, RegistrySettings, get_or_create_registry
-from registry.errors import Expired
+from registry.errors import Expired, Unavailable
 from support import MODEL_SPEC, image_bytes, image_item, reference_embedding, wait_until
 
 
@@ -78,3 +79,63 @@ def test_entry_not_fully_received_within_ttl_expires_and_frees_memory(cluster):
         assert described["state"] == "expired"
     finally:
         ray.kill(registry)
+
+
+@pytest.mark.slow
+def test_registry_crash_restarts_and_lost_entries_fail_fast(cluster):
+    settings = RegistrySettings(name="crash_test_registry", namespace="epd-tests", encoder_app="epd", cache_max_bytes=0)
+    registry = get_or_create_registry(settings)
+    receiver = EmbeddingReceiver(0, registry_name=settings.name, registry_namespace=settings.namespace)
+    try:
+        data = image_bytes(224, 224, seed=24)
+        assert ray.get(registry.submit.remote("crash-1", [data], "d1", 2, True))["state"] == "staged"
+        pid = ray.get(registry.ping.remote())["pid"]
+        ray.kill(registry, no_restart=False)  # a crash: Ray restarts it (max_restarts=-1), empty
+        restarted = wait_until(lambda: _ping_pid(registry) not in (None, pid), 30, what="the registry to restart")
+        assert restarted != pid
+
+        # The entry died with the old process: told at once (after the short grace), not at the timeout.
+        start = time.monotonic()
+        with pytest.raises(Unavailable) as info:
+            receiver.fetch("crash-1", timeout_s=30)
+        assert time.monotonic() - start < 15 and "restarted" in info.value.message
+
+        # New requests work, including a rank that asks before the encode arrives.
+        async def early_fetch_then_encode():
+            fetch = asyncio.ensure_future(receiver.fetch_async("crash-2", timeout_s=30))
+            await asyncio.sleep(0.5)
+            await registry.submit.remote("crash-2", [data], "d2", 1, True)
+            return await fetch
+
+        items = asyncio.run(early_fetch_then_encode())
+        assert items[0].meta["shape"] == [196, 512]
+        del items
+    finally:
+        ray.kill(registry)
+
+
+def _ping_pid(registry):
+    try:
+        return ray.get(registry.ping.remote(), timeout=5)["pid"]
+    except Exception:  # noqa: BLE001 - restarting
+        return None
+
+
+@pytest.mark.slow
+def test_registry_killed_for_good_is_reported_503_and_recreated(cluster):
+    from registry import lookup_registry
+
+    staged = cluster.http.post(
+        "/v1/encode", json={"receive_count": 1, "items": [image_item(image_bytes(224, 224, seed=25))]}
+    ).json()
+    ray.kill(lookup_registry(), no_restart=True)
+    health = cluster.http.get("/health")
+    assert health.status_code == 503 and health.json()["status"] == "unavailable"
+    # That failed call brought up a new registry; the service answers again within seconds.
+    wait_until(lambda: cluster.http.get("/health").status_code == 200, 30, what="a healthy service again")
+    out = cluster.http.post("/v1/encode", json={"receive_count": 1, "items": [image_item(image_bytes(64, 64, seed=26))]})
+    assert out.status_code == 200
+    # Ranks find the new registry by name (their cached handle points at the dead one).
+    assert "error" not in ray.get(cluster.ranks[0].fetch.remote(out.json()["req_id"], timeout_s=10))
+    lost = ray.get(cluster.ranks[0].fetch.remote(staged["req_id"], timeout_s=30))
+    assert lost["error"] == "unavailable" and "encode it again" in lost["message"]
