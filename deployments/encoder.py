@@ -67,7 +67,8 @@ class Encoder:
             raise InvalidRequest(str(exc)) from None
         return await self._encode_batch(prepared)
 
-    @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.005)
+    # Until reconfigure() applies the user_config (Serve calls it before the first request).
+    @serve.batch(max_batch_size=BatchConfig().max_batch_size, batch_wait_timeout_s=BatchConfig().batch_wait_timeout_s)
     async def _encode_batch(self, items: list[PreparedItem]) -> list[EncodedItem]:
         start = time.perf_counter()
         # Off the event loop, so requests keep queueing for the next batch meanwhile.

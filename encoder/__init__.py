@@ -3,7 +3,7 @@
 from encoder.base import VisionEncoder, content_hash
 from encoder.loader import FAMILIES, EncoderSpec, build_encoder, resolve_device
 from encoder.fetch import MediaPolicy
-from encoder.items import item_bytes, item_media
+from encoder.items import item_media
 from encoder.media import MediaError
 from encoder.types import DTYPES, EncodedItem, Media, PreparedItem, Video, payload_to_tensor, tensor_to_payload
 
@@ -20,7 +20,6 @@ __all__ = [
     "VisionEncoder",
     "build_encoder",
     "content_hash",
-    "item_bytes",
     "item_media",
     "payload_to_tensor",
     "resolve_device",

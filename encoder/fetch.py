@@ -1,6 +1,6 @@
 """Fetching media bytes from http(s) URLs and local files, under an explicit ``MediaPolicy``.
 
-Everything is off by default; ``data:`` URIs are the caller's (``media.item_bytes``). Each remote
+Everything is off by default; ``data:`` URIs are the caller's (``items.item_media``). Each remote
 hop (the URL asked for, then each redirect target) is checked (scheme, no userinfo, host allowlist),
 then resolved ONCE: any non-public address not in ``allowed_private_networks`` refuses it.
 ``http.client`` gets a socket already connected to a checked address, so the name is never resolved

@@ -80,11 +80,3 @@ def item_media(item: Mapping[str, Any], policy: MediaPolicy, max_video_frames: i
             raise MediaError(f"the video has {len(frames)} frames; the limit is {max_video_frames} (max_video_frames)")
         return Video(tuple(_checked(_url_bytes(f, policy), policy, f"frame {i}") for i, f in enumerate(frames)))
     raise MediaError(f'unsupported item type {kind!r}; use "image_url", "image" or "video"')
-
-
-def item_bytes(item: Mapping[str, Any], policy: MediaPolicy) -> bytes:
-    """The bytes of one image item (``item_media`` for items that may be videos)."""
-    media = item_media(item, policy)
-    if isinstance(media, Video):
-        raise MediaError("expected an image item, got a video")
-    return media

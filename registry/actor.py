@@ -125,17 +125,16 @@ class EmbeddingRegistry:
     async def describe(self, req_id: str, wait_s: float = 0.0) -> dict[str, Any]:
         """The entry's description; with ``wait_s`` wait up to that long while it is pending."""
         deadline = time.monotonic() + _check_wait(wait_s, "wait_s", req_id)
-        while True:
-            try:
-                entry = self._state.get(req_id, time.time())
-            except RegistryError:
-                entry = None
-            remaining = deadline - time.monotonic()
-            if (entry is not None and entry.state != PENDING) or remaining <= 0:
-                if entry is None:
-                    return self._state.get(req_id, time.time()).describe()  # raises unknown_request
-                return entry.describe()
+        while (remaining := deadline - time.monotonic()) > 0 and not self._decided(req_id):
             await self._wait_change(req_id, remaining)
+        return self._state.get(req_id, time.time()).describe()  # unknown_request if never seen
+
+    def _decided(self, req_id: str) -> bool:
+        """Known and past pending (what ``describe`` waits for)."""
+        try:
+            return self._state.get(req_id, time.time()).state != PENDING
+        except RegistryError:
+            return False
 
     async def cancel(self, req_id: str) -> dict[str, Any]:
         """Cancel a pending or staged entry; an ended one is described unchanged."""

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from encoder import EncoderSpec, MediaError, MediaPolicy, build_encoder, item_bytes, payload_to_tensor, tensor_to_payload
+from encoder import EncoderSpec, MediaError, MediaPolicy, build_encoder, item_media, payload_to_tensor, tensor_to_payload
 from encoder.tiny_vit import TinyViTConfig, target_size
 from support import data_url, image_bytes
 
@@ -68,11 +68,11 @@ def test_read_only_payload_views_without_copy_or_warning(recwarn):
         payload_to_tensor(array, "bfloat16")
 
 
-def test_item_bytes_accepts_data_uri_and_base64():
+def test_item_media_accepts_data_uri_and_base64():
     png = image_bytes(32, 32)
     policy = MediaPolicy(max_item_bytes=10**6)
-    assert item_bytes({"type": "image_url", "image_url": {"url": data_url(png)}}, policy) == png
-    assert item_bytes({"type": "image", "image": data_url(png).split(",", 1)[1]}, policy) == png
+    assert item_media({"type": "image_url", "image_url": {"url": data_url(png)}}, policy) == png
+    assert item_media({"type": "image", "image": data_url(png).split(",", 1)[1]}, policy) == png
 
 
 @pytest.mark.parametrize(
@@ -88,9 +88,9 @@ def test_item_bytes_accepts_data_uri_and_base64():
         ({"type": "image", "image": "QUJD" * 100}, "more than the limit of 100 bytes"),
     ],
 )
-def test_item_bytes_refuses_with_a_reason(item, message):
+def test_item_media_refuses_with_a_reason(item, message):
     with pytest.raises(MediaError, match=message):
-        item_bytes(item, MediaPolicy(max_item_bytes=100))
+        item_media(item, MediaPolicy(max_item_bytes=100))
 
 
 @pytest.mark.parametrize(
