@@ -43,6 +43,7 @@ class Encoder:
         self._encoder = build_encoder(self._config.to_spec())
         self._items = 0
         self._batches = 0
+        self._in_progress = 0  # encode calls received and not answered yet
         self._batch = BatchConfig()
         self._batch_size = metrics.Histogram(
             "epd_encoder_batch_size", "Items per forward pass.", boundaries=_BATCH_BOUNDARIES
@@ -61,11 +62,14 @@ class Encoder:
         """Embed one media item: an image's raw bytes, or a ``Video`` of frames."""
         if not isinstance(media, (bytes, Video)):
             raise InvalidRequest(f"encode takes image bytes or a Video, got {type(media).__name__}")
+        self._in_progress += 1
         try:
             prepared = await asyncio.to_thread(self._encoder.prepare, media)
+            return await self._encode_batch(prepared)
         except MediaError as exc:
             raise InvalidRequest(str(exc)) from None
-        return await self._encode_batch(prepared)
+        finally:
+            self._in_progress -= 1
 
     # Until reconfigure() applies the user_config (Serve calls it before the first request).
     @serve.batch(max_batch_size=BatchConfig().max_batch_size, batch_wait_timeout_s=BatchConfig().batch_wait_timeout_s)
@@ -95,5 +99,11 @@ class Encoder:
         return self._encoder.identity
 
     async def stats(self) -> dict[str, Any]:
-        """This replica's work (items encoded, forward passes) and batching settings."""
-        return {"items_encoded": self._items, "batches": self._batches, "pid": os.getpid(), **self._batch.model_dump()}
+        """This replica's work (items encoded, forward passes, calls in progress) and batching settings."""
+        return {
+            "items_encoded": self._items,
+            "batches": self._batches,
+            "items_in_progress": self._in_progress,
+            "pid": os.getpid(),
+            **self._batch.model_dump(),
+        }

@@ -22,6 +22,7 @@ import dataclasses
 from typing import Any
 
 from ray import serve
+from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RayServeException
 
 from encoder.base import content_hash
@@ -29,6 +30,10 @@ from encoder.types import Media
 from registry.cache import EncoderCache
 from registry.errors import EncodeFailed, Overloaded, RegistryError, Unavailable, unwrap
 from registry.state import StagedItem
+
+# How many times an item is sent again when the replica encoding it dies. One: a
+# second death in a row is more likely the input killing replicas than bad luck.
+REPLICA_DEATH_RETRIES = 1
 
 
 def encode_error(exc: BaseException, req_id: str, index: int) -> RegistryError:
@@ -40,6 +45,11 @@ def encode_error(exc: BaseException, req_id: str, index: int) -> RegistryError:
         return Overloaded(f"items[{index}]: the encoder queue is full; retry later", req_id)
     if isinstance(exc, (DeploymentUnavailableError, RayServeException)):
         return Unavailable(f"items[{index}]: the encoder deployment is not available: {exc}", req_id)
+    if isinstance(exc, RayActorError):  # the replica died, and so did the one that took the retry
+        return Unavailable(
+            f"items[{index}]: the encoder replica died while encoding it, and so did the retry's; "
+            "retry the request shortly", req_id,
+        )
     return EncodeFailed(f"items[{index}]: {type(exc).__name__}: {exc}", req_id)
 
 
@@ -57,6 +67,7 @@ class EncoderClient:
         self.cache = EncoderCache(cache_max_bytes)
         self._inflight: dict[str, _Shared] = {}
         self.joined = 0  # items that joined an identical item's encode in flight
+        self.replica_retries = 0  # item encodes run again because their replica died
 
     def reconfigure(self, app: str, deployment: str, cache_max_bytes: int) -> None:
         if (app, deployment) != self._target:
@@ -94,31 +105,44 @@ class EncoderClient:
         raise error
 
     def stats(self) -> dict[str, int]:
-        return {**self.cache.stats(), "encodes_joined_total": self.joined, "item_encodes_in_flight": len(self._inflight)}
+        return {
+            **self.cache.stats(),
+            "encodes_joined_total": self.joined,
+            "replica_retries_total": self.replica_retries,
+            "item_encodes_in_flight": len(self._inflight),
+        }
 
     async def _call(self, key: str, data: Media) -> StagedItem:
         handle = await self._deployment()
-        response = handle.encode.remote(data)
-        ref = None
-        try:
-            ref = await response._to_object_ref()
-            # Read the value once for its metadata; on the same node this maps the
-            # payload without copying it, and the mapping is dropped on return.
-            encoded = await ref
-        except asyncio.CancelledError:
-            response.cancel()
-            response = ref = None  # see below
-            raise
-        except Exception as exc:  # noqa: BLE001
-            error = unwrap(exc)
-        else:
-            item = StagedItem(meta=encoded.meta, ref=ref)
-            if encoded.meta.get("mm_hash") == key:
-                if self.cache.max_bytes > 0:
-                    self.cache.put(key, item)
+        for attempt in range(1 + REPLICA_DEATH_RETRIES):
+            response = handle.encode.remote(data)
+            ref = None
+            try:
+                ref = await response._to_object_ref()
+                # Read the value once for its metadata; on the same node this maps the
+                # payload without copying it, and the mapping is dropped on return.
+                encoded = await ref
+            except asyncio.CancelledError:
+                response.cancel()
+                response = ref = None  # see below
+                raise
+            except Exception as exc:  # noqa: BLE001
+                error = unwrap(exc)
+                if isinstance(error, RayActorError) and attempt < REPLICA_DEATH_RETRIES:
+                    # The replica died holding this item (killed mid-batch, its node lost).
+                    # Serve retries only requests no replica accepted yet, so run it once
+                    # more: the router has marked that replica dead and picks another.
+                    self.replica_retries += 1
+                    continue
             else:
-                self._identity = None  # the model changed under us; do not cache under a stale key
-            return item
+                item = StagedItem(meta=encoded.meta, ref=ref)
+                if encoded.meta.get("mm_hash") == key:
+                    if self.cache.max_bytes > 0:
+                        self.cache.put(key, item)
+                else:
+                    self._identity = None  # the model changed under us; do not cache under a stale key
+                return item
+            break
         # A raised exception's traceback keeps this frame and so its locals, and asyncio
         # tasks keep their exception in a reference cycle that only the garbage collector
         # breaks: drop the failed call's objects before raising, or they outlive the call.

@@ -28,3 +28,13 @@ def test_anything_else_is_encode_failed_with_the_cause():
     err = _encode_error(RuntimeError("CUDA error: out of memory"), "r1", 1)
     assert isinstance(err, EncodeFailed) and "RuntimeError: CUDA error" in err.message
     assert "CUDA" not in err.to_dict(mask=True)["error"]["message"]
+
+
+def test_a_replica_dying_again_on_the_retry_is_retryable_unavailable():
+    from ray.exceptions import ActorDiedError
+
+    from registry.errors import Unavailable, http_status
+
+    err = _encode_error(ActorDiedError(), "r1", 2)
+    assert isinstance(err, Unavailable) and http_status(err) == 503
+    assert err.message.startswith("items[2]: the encoder replica died") and "retry" in err.message

@@ -1,0 +1,74 @@
+"""An Encoder replica killed with items in its batch: they are encoded again on another one."""
+
+import asyncio
+import concurrent.futures
+import hashlib
+import os
+import signal
+import time
+
+import httpx
+import ray
+from ray import serve
+
+from deployments import BatchConfig, compose_app
+from support import MODEL_SPEC, deployment_options, image_bytes, image_item, reference_embedding, registry_stats, wait_until
+
+# Two replicas that hold every item for two seconds before a forward pass, so a
+# kill lands while items sit in a batch.
+TWO_SLOW_REPLICAS = {
+    "Encoder": {
+        "num_replicas": 2,
+        "ray_actor_options": {"num_gpus": 0.5, "num_cpus": 0},
+        "user_config": BatchConfig(max_batch_size=64, batch_wait_timeout_s=2.0).model_dump(),
+    },
+    "Ingress": {"ray_actor_options": {"num_cpus": 0}},
+}
+
+
+def _replicas(encoder, want: int) -> dict[int, dict]:
+    """pid -> stats of each Encoder replica, by asking until ``want`` distinct ones answered
+    (the handle routes each call to one of them)."""
+    seen: dict[int, dict] = {}
+    deadline = time.monotonic() + 30
+    while len(seen) < want:
+        assert time.monotonic() < deadline, f"only replicas {sorted(seen)} answered"
+        stats = encoder.stats.remote().result(timeout_s=10)
+        seen[stats["pid"]] = stats
+    return seen
+
+
+def test_replica_killed_mid_batch_its_items_are_encoded_on_another_replica(cluster):
+    encoder = serve.get_deployment_handle("Encoder", app_name="epd")
+    images = [image_bytes(128, 128, seed=300 + i) for i in range(8)]
+    bodies = [{"req_id": f"midbatch-{i}", "receive_count": 1, "items": [image_item(d)]} for i, d in enumerate(images)]
+    retries_before = registry_stats()["replica_retries_total"]
+
+    async def encode_all():
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=60, headers=cluster.headers) as client:
+            return await asyncio.gather(*(client.post("/v1/encode", json=b) for b in bodies))
+
+    try:
+        serve.run(compose_app(cluster.app_args, deployment_options=TWO_SLOW_REPLICAS), name="epd", route_prefix="/")
+        _replicas(encoder, 2)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(asyncio.run, encode_all())
+            # Every item is inside a replica, waiting for its batch; kill a replica that has some.
+            busy = wait_until(
+                lambda: [pid for pid, s in _replicas(encoder, 2).items() if s["items_in_progress"] > 0],
+                20, what="items to reach the replicas",
+            )
+            wait_until(lambda: registry_stats()["item_encodes_in_flight"] == len(bodies), 10, what="all items in flight")
+            os.kill(busy[0], signal.SIGKILL)
+            killed_at = time.monotonic()
+            responses = pending.result(timeout=120)
+        answered_in = time.monotonic() - killed_at
+        assert [r.status_code for r in responses] == [200] * len(bodies), [r.json() for r in responses]
+        assert all(r.json()["state"] == "staged" for r in responses)
+        assert answered_in < 20  # the retry waits one batch window on the other replica, not a timeout
+        assert registry_stats()["replica_retries_total"] > retries_before
+        results = ray.get([cluster.ranks[0].fetch.remote(b["req_id"], digests=True) for b in bodies])
+        expected = [[hashlib.sha256(reference_embedding(d, **MODEL_SPEC).tobytes()).hexdigest()] for d in images]
+        assert [r.get("bytes", r) for r in results] == expected
+    finally:
+        serve.run(compose_app(cluster.app_args, deployment_options=deployment_options()), name="epd", route_prefix="/")
