@@ -8,6 +8,9 @@ It posts one image with ``receive_count: 2`` over HTTP, then each rank actor
 fetches the embeddings with ``EmbeddingReceiver`` as a prefill engine's TP
 ranks would, and prints what each got as JSON. The entry is released after
 the second rank's fetch.
+
+``--req-id ID --ranks 1`` instead fetches a request encoded earlier, as rank 1
+only: ranks of one request may live in different processes.
 """
 
 from __future__ import annotations
@@ -74,13 +77,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="the epd service")
     parser.add_argument("--address", default="auto", help="Ray cluster address (default: the local one)")
+    parser.add_argument("--req-id", help="fetch this request (encoded earlier) instead of encoding one")
+    parser.add_argument("--ranks", default="0,1", help="the ranks to run here, comma-separated (default: 0,1)")
     args = parser.parse_args()
 
     ray.init(address=args.address)
-    staged = post_encode(args.url, demo_image(), receive_count=2)
-    ranks = [DecoderRank.remote(r) for r in range(2)]
-    results = ray.get([rank.prefill.remote(staged["req_id"]) for rank in ranks])
-    print(json.dumps({"req_id": staged["req_id"], "encoded": staged["items"], "ranks": results}))
+    if args.req_id is None:
+        staged = post_encode(args.url, demo_image(), receive_count=2)
+        req_id, encoded = staged["req_id"], staged["items"]
+    else:
+        req_id, encoded = args.req_id, None
+    ranks = [DecoderRank.remote(int(r)) for r in args.ranks.split(",")]
+    results = ray.get([rank.prefill.remote(req_id) for rank in ranks])
+    print(json.dumps({"req_id": req_id, "encoded": encoded, "ranks": results}))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""``serve run serve_config.yaml`` as a user runs it, a plain HTTP request, and the decoder example."""
+"""``serve run serve_config.yaml`` as a user runs it: a plain HTTP request, the decoder example, a redeploy."""
 
+import itertools
 import json
 import os
 import pathlib
@@ -7,10 +8,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
 import pytest
+import yaml
 
 from support import image_bytes, image_item, wait_until
 
@@ -101,20 +104,29 @@ def test_curl_encode_on_the_default_config(service, tmp_path):
     assert stats["staged"] == 0 and stats["pending"] == 0
 
 
-def test_decoder_example_fetches_on_two_ranks(service):
+def _ray_env() -> dict:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    start = time.monotonic()
     # Ray 2.60 clusters require a token; a driver given an explicit address sends it only
     # when told to (with address="auto" it finds out from the local session).
     env["RAY_AUTH_MODE"] = "token"
+    return env
+
+
+def _decoder(service, *args: str) -> dict:
+    """Run examples/decoder_tp2.py against the service's cluster; its JSON output."""
     address = _gcs_address(service.pid)
     assert address, "no gcs_server found in serve run's process group"
     done = subprocess.run(
-        [sys.executable, "examples/decoder_tp2.py", "--url", URL, "--address", address], cwd=ROOT, env=env,
-        capture_output=True, text=True, timeout=180,
+        [sys.executable, "examples/decoder_tp2.py", "--url", URL, "--address", address, *args], cwd=ROOT,
+        env=_ray_env(), capture_output=True, text=True, timeout=180,
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_decoder_example_fetches_on_two_ranks(service):
+    start = time.monotonic()
+    result = _decoder(service)
     ranks = {r["rank"]: r["items"] for r in result["ranks"]}
     assert sorted(ranks) == [0, 1]
     assert ranks[0] == ranks[1] and ranks[0][0]["shape"] == [88, 256]
@@ -122,3 +134,63 @@ def test_decoder_example_fetches_on_two_ranks(service):
     state = httpx.get(f"{URL}/v1/requests/{result['req_id']}", timeout=30).json()
     assert state["state"] == "released" and state["received_ranks"] == [0, 1]
     assert time.monotonic() - start < 180
+
+
+def _serve_cli(*args: str) -> str:
+    done = subprocess.run(
+        [str(pathlib.Path(sys.executable).parent / "serve"), *args], cwd=ROOT, env=_ray_env(),
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return done.stdout
+
+
+def _encoder_status() -> dict:
+    status = yaml.safe_load(_serve_cli("status"))
+    return status["applications"]["epd"]["deployments"]["Encoder"]
+
+
+def test_serve_deploy_of_a_changed_config_keeps_staged_entries_and_drops_no_request(service, tmp_path):
+    """Redeploy as an operator does: new Encoder replicas replace the old ones (drained)."""
+    staged = httpx.post(f"{URL}/v1/encode", json={"receive_count": 2, "items": [image_item(image_bytes(224, 224, seed=2))]},
+                        timeout=60).json()
+    before = _decoder(service, "--req-id", staged["req_id"], "--ranks", "0")["ranks"][0]["items"]
+
+    # Other clients keep encoding throughout the redeploy.
+    stop, answers = threading.Event(), []
+
+    def keep_encoding():
+        with httpx.Client(base_url=URL, timeout=60) as client:
+            for seed in itertools.count(100):
+                if stop.is_set():
+                    return
+                body = {"receive_count": 1, "items": [image_item(image_bytes(96, 96, seed=seed))]}
+                answers.append(client.post("/v1/encode", json=body))
+
+    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    encoder = next(d for d in config["applications"][0]["deployments"] if d["name"] == "Encoder")
+    # New actor options mean new replicas; the batch size alone would be applied in place.
+    encoder.update(num_replicas=2, ray_actor_options={"num_cpus": 0.5}, user_config={"max_batch_size": 4})
+    (tmp_path / "changed.yaml").write_text(yaml.safe_dump(config))
+    client = threading.Thread(target=keep_encoding)
+    client.start()
+    try:
+        _serve_cli("deploy", str(tmp_path / "changed.yaml"))
+        wait_until(
+            lambda: (s := _encoder_status())["status"] == "HEALTHY" and s["replica_states"] == {"RUNNING": 2}, 120,
+            interval_s=1, what="two new Encoder replicas and the old one gone",
+        )
+        time.sleep(1)
+    finally:
+        stop.set()
+        client.join(timeout=120)
+    assert len(answers) > 0 and [r.status_code for r in answers] == [200] * len(answers)
+
+    # The entry staged before the redeploy is intact: rank 1 gets the bytes rank 0 got.
+    after = _decoder(service, "--req-id", staged["req_id"], "--ranks", "1")["ranks"][0]["items"]
+    assert after == before
+    assert httpx.get(f"{URL}/v1/requests/{staged['req_id']}", timeout=30).json()["state"] == "released"
+    for response in answers:
+        assert httpx.delete(f"{URL}/v1/requests/{response.json()['req_id']}", timeout=30).status_code == 200
+    stats = httpx.get(f"{URL}/v1/stats", timeout=30).json()
+    assert stats["staged"] == 0 and stats["pending"] == 0
