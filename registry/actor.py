@@ -34,6 +34,8 @@ from registry.settings import RegistrySettings
 from registry.state import PENDING, RELEASED, STAGED, Entry, Limits, RegistryState, StagedItem, ended_error
 
 MAX_WAIT_S = 3600.0
+# How long report_lost tries to read an object before calling it unreadable (not lost).
+_LOSS_CHECK_TIMEOUT_S = 10.0
 
 
 def _check_wait(value: float, name: str, req_id: str | None) -> float:
@@ -198,6 +200,38 @@ class EmbeddingRegistry:
         except RegistryError:
             pass
         return fetch_started + self._settings.restart_grace_s
+
+    async def report_lost(self, req_id: str) -> bool:
+        """A rank could not read ``req_id``'s objects: if they are really gone (a node died),
+        end the entry ``failed`` with ``unavailable`` so every other rank is told at once.
+
+        Checked by reading them here, the owner: a rank's own trouble must not end an
+        entry other ranks can still fetch. True if the entry was ended.
+        """
+        try:
+            entry = self._state.get(req_id, time.time())
+        except RegistryError:
+            return False
+        if entry.state != STAGED or entry.items is None:
+            return False
+        try:
+            for item in entry.items:
+                await asyncio.wait_for(item.ref, _LOSS_CHECK_TIMEOUT_S)
+        except (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError):
+            pass
+        except Exception:  # noqa: BLE001 - unreadable for another reason (slow, ...): not proven lost
+            return False
+        else:
+            return False
+        error = Unavailable(
+            f"the staged embeddings of req_id {req_id} were lost: the node holding them died; encode it again",
+            req_id,
+        )
+        if not self._state.lose(req_id, error, time.time()):
+            return False
+        self._count_error(error)
+        self._changed_now(req_id)
+        return True
 
     # --- encoding -----------------------------------------------------------------
 

@@ -40,11 +40,16 @@ class ReceivedItem:
     meta: dict[str, Any]
 
 
+# What reading an object raises when its every copy is gone (its node died) or its
+# owner, the registry, died (a restart).
+_LOST = (ray_exc.ObjectLostError, ray_exc.OwnerDiedError)
+
+
 def _translate(exc: BaseException, req_id: str) -> BaseException:
     exc = unwrap(exc)
     if isinstance(exc, RegistryError):
         return exc
-    if isinstance(exc, (ray_exc.ObjectLostError, ray_exc.OwnerDiedError)):
+    if isinstance(exc, _LOST):
         return Unavailable(
             f"the staged embeddings of req_id {req_id} were lost (the registry restarted or their node died); "
             "encode the request again",
@@ -94,7 +99,11 @@ class EmbeddingReceiver:
                 # (a fetch is idempotent for a rank).
                 self._registry = None
                 pairs = ray.get(self._handle().fetch.remote(req_id, self.rank, timeout_s), timeout=timeout_s + _CALL_GRACE_S)
-            values = ray.get([ref for _, ref in pairs], timeout=_CALL_GRACE_S + timeout_s)
+            try:
+                values = ray.get([ref for _, ref in pairs], timeout=_CALL_GRACE_S + timeout_s)
+            except _LOST:
+                ray.get(self._report_lost(req_id), timeout=_CALL_GRACE_S)
+                raise
         except Exception as exc:  # noqa: BLE001 - translated to the project's errors
             raise _translate(exc, req_id) from None
         return _items(pairs, values)
@@ -107,7 +116,16 @@ class EmbeddingReceiver:
             except ray_exc.ActorDiedError:
                 self._registry = None  # as in fetch
                 pairs = await self._handle().fetch.remote(req_id, self.rank, timeout_s)
-            values = [await ref for _, ref in pairs]
+            try:
+                values = [await ref for _, ref in pairs]
+            except _LOST:
+                await self._report_lost(req_id)
+                raise
         except Exception as exc:  # noqa: BLE001
             raise _translate(exc, req_id) from None
         return _items(pairs, values)
+
+    def _report_lost(self, req_id: str) -> ray.ObjectRef:
+        """Tell the registry this request's objects are gone, so it ends the entry and the
+        other ranks are told at once (it checks before believing it)."""
+        return self._handle().report_lost.remote(req_id)

@@ -4,6 +4,7 @@ One ``Entry`` per ``req_id``::
 
     (new) --accept--> pending --stage--> staged --last distinct rank fetched--> released
                       pending --fail---> failed
+                      staged  --lose---> failed   (its objects died with their node)
            pending | staged --cancel---> cancelled
            pending | staged --expire---> expired
 
@@ -33,8 +34,13 @@ Rules:
   refused: ``stage``/``fail`` (given the entry ``accept`` returned) return False
   and the caller drops the refs, so nothing is staged that nobody owns.
 
+* A staged entry whose objects were lost (the node holding them died) is ended
+  ``failed`` by ``lose`` with the error every later fetch gets, so its other ranks
+  are told at once instead of each finding the objects gone.
+
 Who calls what: the ingress ``accept``s, ``cancel``s and ``describe``s; the
-registry's encode task ``stage``s or ``fail``s; ranks ``fetch``; a timer calls
+registry's encode task ``stage``s or ``fail``s; ranks ``fetch`` (and report
+objects they found lost, which the registry checks before calling ``lose``); a timer calls
 ``expire_due`` at ``next_deadline``. Time is passed in (``now``, seconds) so tests
 drive the clock. ``fetch`` returning ``None`` means "not yet": the caller waits
 for a change to that ``req_id`` (the actor uses events, never polling).
@@ -58,6 +64,7 @@ from registry.errors import (
     InvalidRequest,
     Overloaded,
     RegistryError,
+    Unavailable,
     UnknownRequest,
 )
 
@@ -69,7 +76,7 @@ TERMINAL_STATES = (RELEASED, EXPIRED, CANCELLED, FAILED)
 
 _ALLOWED = {
     PENDING: {STAGED, FAILED, CANCELLED, EXPIRED},
-    STAGED: {RELEASED, CANCELLED, EXPIRED},
+    STAGED: {RELEASED, CANCELLED, EXPIRED, FAILED},
 }
 
 
@@ -255,6 +262,18 @@ class RegistryState:
         self._end(entry, FAILED, now)
         return True
 
+    def lose(self, req_id: str, error: RegistryError, now: float) -> bool:
+        """End staged ``req_id`` ``failed`` with ``error`` because its objects are gone.
+
+        False if it is not staged (still pending, or already ended): nothing changes.
+        """
+        entry = self._live.get(req_id)
+        if entry is None or entry.state != STAGED:
+            return False
+        entry.error = error.fresh()
+        self._end(entry, FAILED, now)
+        return True
+
     def _is_pending(self, entry: Entry) -> bool:
         return self._live.get(entry.req_id) is entry and entry.state == PENDING
 
@@ -378,6 +397,8 @@ def ended_error(entry: Entry) -> RegistryError:
     if entry.state == CANCELLED:
         return Cancelled(f"req_id {req_id} was cancelled at {when:.3f}", req_id, {"cancelled_at": when})
     cause = entry.error
+    if isinstance(cause, Unavailable):  # lost with a node, or the encoders were down: retryable as is
+        return cause.fresh()
     return EncodeFailed(
         f"encoding req_id {req_id} failed: [{cause.code if cause else 'unknown'}] {cause}",
         req_id,

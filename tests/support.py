@@ -143,7 +143,10 @@ def object_refs_in_use() -> dict[bytes, tuple[int, list[str]]]:
     for node in ray.nodes():
         if not node["Alive"]:
             continue
-        stats = internal_api.node_stats(node["NodeManagerAddress"], node["NodeManagerPort"], include_memory_info=True)
+        try:
+            stats = internal_api.node_stats(node["NodeManagerAddress"], node["NodeManagerPort"], include_memory_info=True)
+        except Exception:  # noqa: BLE001 - a node that just died and is not marked dead yet holds nothing
+            continue
         for worker in stats.core_workers_stats:
             holder = classes.get(worker.actor_id.hex()) or common_pb2.WorkerType.Name(worker.worker_type).lower()
             if holder in _SERVE_CONTROL_PLANE:

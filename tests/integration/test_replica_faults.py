@@ -1,4 +1,5 @@
-"""An Encoder replica killed with items in its batch: they are encoded again on another one."""
+"""Encoder replica faults: items in a killed replica's batch are encoded on another one;
+a rank's report of lost objects is checked before an entry is ended."""
 
 import asyncio
 import concurrent.futures
@@ -72,3 +73,14 @@ def test_replica_killed_mid_batch_its_items_are_encoded_on_another_replica(clust
         assert [r.get("bytes", r) for r in results] == expected
     finally:
         serve.run(compose_app(cluster.app_args, deployment_options=deployment_options()), name="epd", route_prefix="/")
+
+
+def test_a_false_report_of_lost_objects_does_not_end_the_entry(cluster):
+    from registry import lookup_registry
+
+    out = cluster.http.post("/v1/encode", json={"receive_count": 1, "items": [image_item(image_bytes(224, 224, seed=310))]})
+    req_id = out.json()["req_id"]
+    # The registry reads the objects itself before believing a rank: they are fine here.
+    assert ray.get(lookup_registry().report_lost.remote(req_id)) is False
+    assert ray.get(lookup_registry().report_lost.remote("never-encoded")) is False
+    assert "error" not in ray.get(cluster.ranks[0].fetch.remote(req_id))

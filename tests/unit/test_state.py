@@ -13,6 +13,7 @@ from registry.errors import (
     InvalidRank,
     InvalidRequest,
     Overloaded,
+    Unavailable,
     UnknownRequest,
 )
 from registry.state import IllegalTransition, Limits, RegistryState, StagedItem
@@ -151,6 +152,22 @@ def test_failed_entry_reports_cause_and_can_be_retried(state):
     assert described["state"] == "failed" and described["error"]["code"] == "invalid_request"
     entry, created = state.accept("r", "d2", 2, 3.0)
     assert created and entry.state == "pending"
+
+
+def test_a_staged_entry_lost_with_its_node_tells_every_later_rank_and_frees_its_refs(state):
+    stage_new(state, receive_count=3)
+    state.fetch("r", 0, 1.0)
+    assert state.lose("r", Unavailable("lost: the node holding them died", "r"), 2.0)
+    for rank in (0, 1):  # the rank that had it too: the entry is over
+        with pytest.raises(Unavailable, match="node holding them died"):
+            state.fetch("r", rank, 3.0)
+    assert state.get("r", 3.0).state == "failed"
+    assert (state.stats(3.0)["live_refs"], state.stats(3.0)["staged_bytes"]) == (0, 0)
+    assert not state.lose("r", Unavailable("again", "r"), 4.0)  # ended: nothing changes
+    entry, _ = state.accept("p", "d", 1, 5.0)
+    assert not state.lose("p", Unavailable("pending has no objects yet", "p"), 5.0)
+    assert entry.state == "pending"
+    assert state.accept("r", "d", 3, 6.0)[1]  # it can be encoded again
 
 
 def test_a_stale_result_never_lands_in_a_newer_entry_of_the_same_req_id(state):

@@ -2,7 +2,8 @@
 
 Hypothesis drives ``RegistryState`` and a deliberately naive model of the same
 rules (a dict per request) with encode, duplicate encode, stage, late results,
-failures, fetches by valid/invalid/repeated ranks, cancel and a fake clock that
+failures, fetches by valid/invalid/repeated ranks, cancel, staged objects lost
+with their node, and a fake clock that
 expires entries, then checks after every step that both agree and that the
 invariants hold: an entry is released exactly when ``receive_count`` distinct
 ranks fetched, never earlier; nothing fetches after release; the registry holds
@@ -24,6 +25,7 @@ from registry.errors import (
     InvalidRank,
     InvalidRequest,
     RegistryError,
+    Unavailable,
     UnknownRequest,
 )
 from registry.state import Limits, RegistryState, StagedItem
@@ -53,9 +55,9 @@ class RegistryRules(RuleBasedStateMachine):
         ):
             self.ended.popitem(last=False)
 
-    def _end(self, req_id, state):
+    def _end(self, req_id, state, error=None):
         entry = self.live.pop(req_id)
-        entry.update(state=state, ended_at=self.now)
+        entry.update(state=state, ended_at=self.now, error=error or ERROR_FOR[state])
         self.ended[req_id] = entry
         self._prune()
 
@@ -123,7 +125,7 @@ class RegistryRules(RuleBasedStateMachine):
             if rank < 0 or (entry is not None and rank >= entry["count"]):
                 assert isinstance(exc, InvalidRank)
             else:
-                assert isinstance(exc, ERROR_FOR[entry["state"]]), (exc, entry["state"])
+                assert type(exc) is entry["error"], (exc, entry["state"])
             return
         if entry is None or entry["state"] == "pending":
             assert result is None and 0 <= rank
@@ -135,6 +137,15 @@ class RegistryRules(RuleBasedStateMachine):
         assert result.released == released  # exactly at the last distinct rank, never earlier
         if released:
             self._end(req_id, "released")
+
+    @rule(req_id=REQ_IDS)
+    def objects_lost(self, req_id):
+        """The node holding an entry's objects died (a rank found them gone)."""
+        self._prune()
+        staged = req_id in self.live and self.live[req_id]["state"] == "staged"
+        assert self.state.lose(req_id, Unavailable("lost with their node", req_id), self.now) == staged
+        if staged:
+            self._end(req_id, "failed", Unavailable)
 
     @rule(req_id=REQ_IDS)
     def cancel(self, req_id):
