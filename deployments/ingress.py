@@ -124,8 +124,16 @@ class Ingress:
             raise Unauthorized("missing or wrong API token; send the header Authorization: Bearer <token>")
 
     async def _call(self, method: str, *args: Any) -> Any:
+        ref = None
         try:
-            return await getattr(self._registry, method).remote(*args)
+            ref = getattr(self._registry, method).remote(*args)
+            return await ref
+        except asyncio.CancelledError:
+            # The client went away (Serve cancels the handler): cancel the registry's side too,
+            # so an encode it was waiting for is not staged for nobody.
+            if ref is not None:
+                ray.cancel(ref)
+            raise
         except ray.exceptions.ActorDiedError:
             # Gone for good (a crash is restarted by Ray, under the same handle): bring up a
             # new registry for the next call; this one is told to retry.

@@ -61,6 +61,7 @@ class EmbeddingRegistry:
         self._metrics = RegistryMetrics(settings.name)
         self._changed: dict[str, asyncio.Event] = {}
         self._waiting: _Count[str] = _Count()
+        self._submitters: _Count[str] = _Count()  # submit calls waiting, per req_id
         self._encode_tasks: dict[str, asyncio.Task] = {}
         self._timer_wake = asyncio.Event()
         self._timer: asyncio.Task | None = None
@@ -118,8 +119,22 @@ class EmbeddingRegistry:
         if created:
             self._encode_tasks[req_id] = asyncio.create_task(self._run_encode(entry, items))
             self._changed_now(req_id)
-        while wait and entry.state == PENDING:
-            await self._wait_change(req_id, None)
+        self._submitters[req_id] += 1
+        try:
+            while wait and entry.state == PENDING:
+                await self._wait_change(req_id, None)
+        except asyncio.CancelledError:
+            # The caller went away (client disconnected or timed out; the ingress cancels this
+            # call). If no other caller waits for this request, nobody will use its result:
+            # cancel it rather than stage an orphan, and ranks waiting for it are told so.
+            if self._submitters[req_id] == 1 and self._state.is_live(req_id) and entry.state == PENDING:
+                self._state.cancel(req_id, time.time())
+                self._changed_now(req_id)
+            raise
+        finally:
+            self._submitters[req_id] -= 1
+            if not self._submitters[req_id]:
+                del self._submitters[req_id]
         if entry.state in (PENDING, STAGED, RELEASED):
             return entry.describe()
         raise entry.error.fresh() if entry.error is not None else ended_error(entry)

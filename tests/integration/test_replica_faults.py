@@ -1,5 +1,5 @@
-"""Encoder replica faults: items in a killed replica's batch are encoded on another one;
-a rank's report of lost objects is checked before an entry is ended."""
+"""Faults around encoding: a client that goes away before its encode is staged, a
+replica killed with items in its batch, a false report of lost objects."""
 
 import asyncio
 import concurrent.futures
@@ -9,6 +9,7 @@ import signal
 import time
 
 import httpx
+import pytest
 import ray
 from ray import serve
 
@@ -39,8 +40,44 @@ def _replicas(encoder, want: int) -> dict[int, dict]:
     return seen
 
 
-def test_replica_killed_mid_batch_its_items_are_encoded_on_another_replica(cluster):
+@pytest.fixture(scope="module")
+def slow_encoders(cluster):
+    """The app with TWO_SLOW_REPLICAS while this module's tests run."""
+    serve.run(compose_app(cluster.app_args, deployment_options=TWO_SLOW_REPLICAS), name="epd", route_prefix="/")
     encoder = serve.get_deployment_handle("Encoder", app_name="epd")
+    _replicas(encoder, 2)
+    yield encoder
+    serve.run(compose_app(cluster.app_args, deployment_options=deployment_options()), name="epd", route_prefix="/")
+
+
+def test_client_gone_before_staging_cancels_the_request_and_nothing_is_staged(cluster, slow_encoders):
+    body = {"req_id": "gone-http", "receive_count": 1, "items": [image_item(image_bytes(128, 128, seed=320))]}
+    waiting_rank = cluster.ranks[0].fetch.remote("gone-http", timeout_s=30)
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up while the item waits for its batch
+        httpx.post(cluster.url + "/v1/encode", json=body, headers=cluster.headers, timeout=1.0)
+    gone_at = time.monotonic()
+    wait_until(lambda: cluster.http.get("/v1/requests/gone-http").json().get("state") == "cancelled", 5,
+               what="the request to be cancelled")
+    assert ray.get(waiting_rank)["error"] == "cancelled"  # its rank is told, not left waiting
+    assert time.monotonic() - gone_at < 5
+
+    # The same through the Python handle: a caller that cancels its call.
+    body = {**body, "req_id": "gone-handle"}
+    response = serve.get_app_handle("epd").encode.remote(body)
+    wait_until(lambda: registry_stats()["pending"] == 1, 10, what="the request to reach the registry")
+    response.cancel()
+    wait_until(lambda: cluster.http.get("/v1/requests/gone-handle").json().get("state") == "cancelled", 5,
+               what="the request to be cancelled")
+
+    # Past the batch window the items' encodes were stopped, not staged.
+    time.sleep(2.5)
+    stats = registry_stats()
+    assert (stats["staged"], stats["pending"]) == (0, 0)
+    assert cluster.http.get("/v1/requests/gone-http").json()["state"] == "cancelled"
+
+
+def test_replica_killed_mid_batch_its_items_are_encoded_on_another_replica(cluster, slow_encoders):
+    encoder = slow_encoders
     images = [image_bytes(128, 128, seed=300 + i) for i in range(8)]
     bodies = [{"req_id": f"midbatch-{i}", "receive_count": 1, "items": [image_item(d)]} for i, d in enumerate(images)]
     retries_before = registry_stats()["replica_retries_total"]
@@ -49,30 +86,25 @@ def test_replica_killed_mid_batch_its_items_are_encoded_on_another_replica(clust
         async with httpx.AsyncClient(base_url=cluster.url, timeout=60, headers=cluster.headers) as client:
             return await asyncio.gather(*(client.post("/v1/encode", json=b) for b in bodies))
 
-    try:
-        serve.run(compose_app(cluster.app_args, deployment_options=TWO_SLOW_REPLICAS), name="epd", route_prefix="/")
-        _replicas(encoder, 2)
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(asyncio.run, encode_all())
-            # Every item is inside a replica, waiting for its batch; kill a replica that has some.
-            busy = wait_until(
-                lambda: [pid for pid, s in _replicas(encoder, 2).items() if s["items_in_progress"] > 0],
-                20, what="items to reach the replicas",
-            )
-            wait_until(lambda: registry_stats()["item_encodes_in_flight"] == len(bodies), 10, what="all items in flight")
-            os.kill(busy[0], signal.SIGKILL)
-            killed_at = time.monotonic()
-            responses = pending.result(timeout=120)
-        answered_in = time.monotonic() - killed_at
-        assert [r.status_code for r in responses] == [200] * len(bodies), [r.json() for r in responses]
-        assert all(r.json()["state"] == "staged" for r in responses)
-        assert answered_in < 20  # the retry waits one batch window on the other replica, not a timeout
-        assert registry_stats()["replica_retries_total"] > retries_before
-        results = ray.get([cluster.ranks[0].fetch.remote(b["req_id"], digests=True) for b in bodies])
-        expected = [[hashlib.sha256(reference_embedding(d, **MODEL_SPEC).tobytes()).hexdigest()] for d in images]
-        assert [r.get("bytes", r) for r in results] == expected
-    finally:
-        serve.run(compose_app(cluster.app_args, deployment_options=deployment_options()), name="epd", route_prefix="/")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(asyncio.run, encode_all())
+        # Every item is inside a replica, waiting for its batch; kill a replica that has some.
+        busy = wait_until(
+            lambda: [pid for pid, s in _replicas(encoder, 2).items() if s["items_in_progress"] > 0],
+            20, what="items to reach the replicas",
+        )
+        wait_until(lambda: registry_stats()["item_encodes_in_flight"] == len(bodies), 10, what="all items in flight")
+        os.kill(busy[0], signal.SIGKILL)
+        killed_at = time.monotonic()
+        responses = pending.result(timeout=120)
+    answered_in = time.monotonic() - killed_at
+    assert [r.status_code for r in responses] == [200] * len(bodies), [r.json() for r in responses]
+    assert all(r.json()["state"] == "staged" for r in responses)
+    assert answered_in < 20  # the retry waits one batch window on the other replica, not a timeout
+    assert registry_stats()["replica_retries_total"] > retries_before
+    results = ray.get([cluster.ranks[0].fetch.remote(b["req_id"], digests=True) for b in bodies])
+    expected = [[hashlib.sha256(reference_embedding(d, **MODEL_SPEC).tobytes()).hexdigest()] for d in images]
+    assert [r.get("bytes", r) for r in results] == expected
 
 
 def test_a_false_report_of_lost_objects_does_not_end_the_entry(cluster):
