@@ -1,9 +1,15 @@
-"""Every bad input over HTTP gets its stable code and status, and stages nothing."""
+"""Every bad input, over HTTP or from a rank, gets its stable code and status and
+changes nothing; the README's bad-input catalogue lists exactly what is tested."""
 
 import base64
+import pathlib
+import re
 
 import pytest
+import ray
 
+from registry import lookup_registry
+from registry.errors import HTTP_STATUS, RegistryError, unwrap
 from support import image_bytes, image_item, registry_stats
 
 PNG = image_bytes(64, 64, seed=31)
@@ -40,6 +46,7 @@ CASES = [
     ("cancel unknown id", "DELETE", "/v1/requests/never-seen", {}, 404, "unknown_request", "never-seen"),
     ("negative wait_s", "GET", "/v1/requests/x?wait_s=-1", {}, 422, "invalid_request", "wait_s"),
     ("wait_s not a number", "GET", "/v1/requests/x?wait_s=soon", {}, 422, "invalid_request", "wait_s"),
+    ("wrong API token", "GET", "/v1/stats", {"headers": {"Authorization": "Bearer not-the-token"}}, 401, "unauthorized", "API token"),
 ]
 
 
@@ -67,3 +74,43 @@ def test_failed_encode_leaves_a_failed_tombstone(cluster):
     retry = cluster.http.post("/v1/encode", json={"req_id": "bad-image-1", "receive_count": 1, "items": [image_item(PNG)]})
     assert retry.status_code == 200
     assert cluster.http.delete("/v1/requests/bad-image-1").json()["state"] == "cancelled"
+
+
+RANK_CASES = [
+    # (id, rank, timeout_s, code, text in message): a rank's fetch of a staged entry with receive_count 2
+    ("rank fetch: negative rank", -1, 1.0, "invalid_rank", "integer >= 0"),
+    ("rank fetch: rank not below receive_count", 2, 1.0, "invalid_rank", "ranks are 0..1"),
+    ("rank fetch: rank not an integer", "0", 1.0, "invalid_rank", "integer >= 0"),
+    ("rank fetch: negative timeout_s", 0, -1.0, "invalid_request", "timeout_s"),
+    ("rank fetch: timeout_s not a number", 0, float("nan"), "invalid_request", "timeout_s"),
+    ("rank fetch: timeout_s over an hour", 0, 7200.0, "invalid_request", "timeout_s"),
+]
+
+
+@pytest.mark.parametrize("case", RANK_CASES, ids=[c[0] for c in RANK_CASES])
+def test_bad_fetch_gets_its_code_and_counts_no_rank(cluster, case):
+    _, rank, timeout_s, code, text = case
+    staged = cluster.http.post("/v1/encode", json=body(receive_count=2)).json()
+    with pytest.raises(RegistryError) as info:
+        ray.get(lookup_registry().fetch.remote(staged["req_id"], rank, timeout_s))
+    error = unwrap(info.value)
+    assert error.code == code and text in error.message, error.message
+    described = cluster.http.get(f"/v1/requests/{staged['req_id']}").json()
+    assert described["state"] == "staged" and described["received_ranks"] == []
+    cluster.http.delete(f"/v1/requests/{staged['req_id']}")
+
+
+def test_readme_catalogue_lists_exactly_the_tested_bad_inputs(cluster):
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("### Bad-input catalogue", 1)[1].split("\n#", 1)[0]
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in section.splitlines()
+            if line.startswith("| ") and not line.startswith("| bad input")]
+    listed = {(name, code.strip("`"), int(status)) for name, code, status, where in rows if where == "`test_http_errors.py`"}
+    tested = {(c[0], c[5], c[4]) for c in CASES} | {(c[0], c[3], HTTP_STATUS[c[3]]) for c in RANK_CASES}
+    assert listed == tested
+    tests_dir = pathlib.Path(__file__).resolve().parents[1]
+    for name, code, status, where in rows:
+        assert HTTP_STATUS[code.strip("`")] == int(status), name
+        if where != "`test_http_errors.py`":  # another test: `file::function`
+            path, function = re.fullmatch(r"`(\S+)::(\w+)`", where).groups()
+            assert f"def {function}(" in next(tests_dir.rglob(path)).read_text(), where
