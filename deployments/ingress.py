@@ -130,9 +130,11 @@ class Ingress:
             return await ref
         except asyncio.CancelledError:
             # The client went away (Serve cancels the handler): cancel the registry's side too,
-            # so an encode it was waiting for is not staged for nobody.
+            # so an encode it was waiting for is not staged for nobody. Not recursively: Ray
+            # would also cancel the encoder calls the registry made while serving this call,
+            # which are the registry's to stop (it shares them among callers).
             if ref is not None:
-                ray.cancel(ref)
+                ray.cancel(ref, recursive=False)
             raise
         except ray.exceptions.ActorDiedError:
             # Gone for good (a crash is restarted by Ray, under the same handle): bring up a

@@ -17,6 +17,7 @@ Serve call (building the handle) runs in a thread.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import math
 import os
@@ -117,7 +118,13 @@ class EmbeddingRegistry:
             raise
         self._metrics.encode_requests.inc(tags={"result": "accepted" if created else "duplicate"})
         if created:
-            self._encode_tasks[req_id] = asyncio.create_task(self._run_encode(entry, items))
+            # A fresh context: Ray files calls made in this call's context as its children, and
+            # cancelling a call (a client gone) cancels its children too. The encode belongs to
+            # the registry, shared by every caller of this req_id and of identical items; the
+            # registry stops it when nobody wants it any more.
+            self._encode_tasks[req_id] = asyncio.create_task(
+                self._run_encode(entry, items), context=contextvars.Context()
+            )
             self._changed_now(req_id)
         self._submitters[req_id] += 1
         try:
