@@ -53,6 +53,19 @@ def _effective_limits(settings: RegistrySettings) -> Limits:
     return dataclasses.replace(settings.limits, max_staged_bytes=min(settings.limits.max_staged_bytes, cap))
 
 
+async def _any_lost(items: list[StagedItem]) -> bool:
+    """Whether reading ``items`` here finds one gone (a slow or otherwise failing read
+    proves nothing: False)."""
+    try:
+        for item in items:
+            await asyncio.wait_for(item.ref, _LOSS_CHECK_TIMEOUT_S)
+    except ray.exceptions.ObjectLostError:  # OwnerDiedError and reconstruction failures included
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+    return False
+
+
 class EmbeddingRegistry:
     """Actor class; create it with ``get_or_create_registry``."""
 
@@ -234,16 +247,7 @@ class EmbeddingRegistry:
             entry = self._state.get(req_id, time.time())
         except RegistryError:
             return False
-        if entry.state != STAGED or entry.items is None:
-            return False
-        try:
-            for item in entry.items:
-                await asyncio.wait_for(item.ref, _LOSS_CHECK_TIMEOUT_S)
-        except (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError):
-            pass
-        except Exception:  # noqa: BLE001 - unreadable for another reason (slow, ...): not proven lost
-            return False
-        else:
+        if entry.state != STAGED or entry.items is None or not await _any_lost(entry.items):
             return False
         error = Unavailable(
             f"the staged embeddings of req_id {req_id} were lost: the node holding them died; encode it again",

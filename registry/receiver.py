@@ -16,6 +16,7 @@ registry released the entry.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from typing import Any
 
@@ -62,6 +63,10 @@ def _translate(exc: BaseException, req_id: str) -> BaseException:
     return exc
 
 
+async def _read(ref: ray.ObjectRef) -> Any:
+    return await ref
+
+
 def _items(pairs: list[tuple[dict[str, Any], Any]], values: list[EncodedItem]) -> list[ReceivedItem]:
     return [ReceivedItem(tensor=value.tensor(), meta=meta) for (meta, _), value in zip(pairs, values, strict=True)]
 
@@ -102,7 +107,7 @@ class EmbeddingReceiver:
             try:
                 values = ray.get([ref for _, ref in pairs], timeout=_CALL_GRACE_S + timeout_s)
             except _LOST:
-                ray.get(self._report_lost(req_id), timeout=_CALL_GRACE_S)
+                self._report_lost(req_id)
                 raise
         except Exception as exc:  # noqa: BLE001 - translated to the project's errors
             raise _translate(exc, req_id) from None
@@ -117,15 +122,25 @@ class EmbeddingReceiver:
                 self._registry = None  # as in fetch
                 pairs = await self._handle().fetch.remote(req_id, self.rank, timeout_s)
             try:
-                values = [await ref for _, ref in pairs]
+                # A deadline as in ``fetch``: under load Ray has been seen (about one read in
+                # 3,000, several ranks of one process reading one entry) never to answer one.
+                values = await asyncio.wait_for(
+                    asyncio.gather(*(_read(ref) for _, ref in pairs)), _CALL_GRACE_S + timeout_s
+                )
+            except TimeoutError:
+                raise NotReady(f"reading the staged embeddings of req_id {req_id} timed out", req_id) from None
             except _LOST:
-                await self._report_lost(req_id)
+                await asyncio.to_thread(self._report_lost, req_id)
                 raise
         except Exception as exc:  # noqa: BLE001
             raise _translate(exc, req_id) from None
         return _items(pairs, values)
 
-    def _report_lost(self, req_id: str) -> ray.ObjectRef:
+    def _report_lost(self, req_id: str) -> None:
         """Tell the registry this request's objects are gone, so it ends the entry and the
-        other ranks are told at once (it checks before believing it)."""
-        return self._handle().report_lost.remote(req_id)
+        other ranks are told at once (it checks before believing it). Best effort: the
+        caller raises the loss either way."""
+        try:
+            ray.get(self._handle().report_lost.remote(req_id), timeout=_CALL_GRACE_S)
+        except Exception:  # noqa: BLE001 - e.g. the registry itself restarted: nothing to tell
+            pass
