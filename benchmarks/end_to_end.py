@@ -1,0 +1,310 @@
+"""4. End to end: images per second through HTTP and the Python handle, against the in-process model.
+
+For two towers of the project's ``tiny-vit`` family, bfloat16, 224 x 224 random
+PNGs (196 patches):
+
+* ``tiny``: the family's default config (2 layers, hidden 128, 512-wide output),
+  whose forward pass is nearly free, so its ratio shows the pure serving overhead;
+* ``vit_b``: the same code sized as ViT-B/16 (12 layers, hidden 768, 12 heads,
+  MLP 3072, about 86 M parameters in the blocks), weights seeded, nothing downloaded.
+
+Each is deployed as the real app (Ingress -> registry -> Encoder with
+``@serve.batch``, batching as ``BatchConfig`` defaults it, content-hash cache
+off, one Encoder replica with ``num_cpus=2``, which Ray turns into 2 intra-op
+threads). Closed-loop clients in the driver keep ``concurrency`` requests in
+flight; after a warm-up, the requests completed inside a fixed window give
+images/s, and their latencies the p50/p99. HTTP posts pre-serialized JSON bodies
+(httpx); the handle path calls ``serve.get_app_handle(app).encode``. Every
+request's image bytes are distinct (``benchmarks.images``), so no encode is
+shared. Nobody fetches the staged entries; a short ``ttl_s`` expires them. The
+apps and actors of the earlier sections, and the ``tiny`` app once measured, are
+deleted first: idle replicas and actors still use some CPU, which the served
+model would otherwise lose to them on a small machine.
+
+The baselines run in the driver process with the replica's thread count, on the
+same machine while the cluster idles, once before and once after the served
+runs (``when``: the machine's load drifts; ``best`` of the two, the harder
+baseline, is what the ratios use): ``inprocess_forward_images_per_s`` is the
+model's batched forward (``encode_batch`` on already-preprocessed batches of
+``max_batch_size``), the figure the target uses; ``inprocess_pipeline_images_per_s``
+adds the per-image decoding and preprocessing the service also does.
+Target: served images/s at saturation (the best concurrency) >= 0.9 x in-process
+forward, for ``vit_b``, through both paths. For the diagnosis, the CPU seconds per
+image of each process at the highest concurrency (``benchmarks.cpu``; the
+driver is the load generator).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import itertools
+import time
+from typing import Any, Awaitable, Callable
+
+import httpx
+import ray
+import torch
+from ray import serve
+
+from benchmarks.cpu import CpuMeter, by_title
+from benchmarks.images import http_bodies, request_pool
+from benchmarks.plan import Context, Plan
+
+SECTION = "e2e"
+SIDE = 224
+_SEEDS = {"tiny": 100, "vit_b": 200}  # of the request images
+MODELS: dict[str, dict[str, Any]] = {
+    "tiny": {"family": "tiny-vit", "dtype": "bfloat16"},
+    "vit_b": {
+        "family": "tiny-vit",
+        "dtype": "bfloat16",
+        "options": {"hidden_size": 768, "depth": 12, "num_heads": 12, "out_size": 768, "max_pixels": SIDE * SIDE},
+    },
+}
+PATHS = ("handle", "http")
+ROLES = ("encoder", "ingress", "registry", "proxy", "controller", "raylet", "gcs", "driver", "other", "all")
+
+
+def steps(plan: Plan) -> int:
+    return len(MODELS) * (3 + len(PATHS) * len(plan.e2e_concurrency))
+
+
+async def _closed_loop(
+    send: Callable[[Any], Awaitable], bodies: list, concurrency: int, warmup_s: float, window_s: float
+) -> tuple[list[float], int]:
+    """Keep ``concurrency`` requests in flight; return the latencies of those completed inside
+    the window, and the number of requests completed in all.
+
+    Completions inside the window count whenever they started (a closed loop at high
+    concurrency has requests longer than the window); no request starts after it.
+    """
+    counter = itertools.count()
+    start = time.perf_counter()
+    opens, closes = start + warmup_s, start + warmup_s + window_s
+    latencies: list[float] = []
+    issued = 0
+
+    async def worker() -> None:
+        nonlocal issued
+        while time.perf_counter() < closes:
+            issued += 1
+            body = bodies[next(counter) % len(bodies)]
+            sent = time.perf_counter()
+            await send(body)
+            done = time.perf_counter()
+            if opens <= done <= closes:
+                latencies.append(done - sent)
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return latencies, issued
+
+
+def _inprocess(encoder: Any, media: list[bytes], threads: int, batch: int, seconds: float) -> dict[str, float]:
+    """Images/s of the model's batched forward, and of preprocessing + forward, in this process."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        prepared = [encoder.prepare(m) for m in media[:batch]]
+        encoder.encode_batch(prepared)  # warm-up
+        images, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            encoder.encode_batch(prepared)
+            images += batch
+        forward = images / (time.perf_counter() - start)
+        images, start, chunks = 0, time.perf_counter(), itertools.count()
+        while time.perf_counter() - start < seconds:
+            first = next(chunks) * batch % len(media)
+            encoder.encode_batch([encoder.prepare(m) for m in media[first : first + batch]])
+            images += batch
+        pipeline = images / (time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(before)
+    return {"forward": forward, "pipeline": pipeline}
+
+
+def app_name(model: str) -> str:
+    return f"bench-{model.replace('_', '')}"
+
+
+def registry_name(ctx: Context, model: str) -> str:
+    return ctx.name(f"bench_{model}_registry")
+
+
+def application(ctx: Context, model: str) -> Any:
+    """The real app serving ``model`` (deploy it under ``app_name(model)``, route ``/<app name>``)."""
+    from deployments import compose_app
+
+    args = {
+        "registry_name": registry_name(ctx, model),
+        "registry_namespace": ctx.cluster["namespace"],
+        "cache_max_bytes": 0,
+        "ttl_s": 4.0,
+        "default_receive_count": 1,
+        "model": MODELS[model],
+    }
+    options = {"Encoder": {"ray_actor_options": {"num_cpus": 2}}, "Ingress": {"ray_actor_options": {"num_cpus": 0}}}
+    return compose_app(args, deployment_options=options)
+
+
+def run(ctx: Context) -> None:
+    for model in MODELS:
+        try:
+            _run_model(ctx, model)
+        finally:  # an idle app still costs CPU that the next model would miss
+            ray.kill(ray.get_actor(registry_name(ctx, model), namespace=ctx.cluster["namespace"]))
+            serve.delete(app_name(model), _blocking=ctx.plan.blocking_cleanup)
+
+
+def _run_model(ctx: Context, model: str) -> None:
+    from deployments import BatchConfig
+
+    plan, results = ctx.plan, ctx.results
+    app = app_name(model)
+    namespace = ctx.cluster["namespace"]
+    registry = ray.get_actor(registry_name(ctx, model), namespace=namespace)
+    handle = serve.get_app_handle(app)
+    url = f"{ctx.cluster['http_url']}/{app}/v1/encode"
+    pool = request_pool(SIDE, plan.image_pool, seed=_SEEDS[model])
+    raw = http_bodies(pool)
+    threads = int(serve.get_deployment_handle("Encoder", app).ready.remote().result()["torch_threads"])
+    ctx.progress.step(f"e2e {model}: images ready")
+    from encoder import EncoderSpec, build_encoder
+
+    batch = BatchConfig().max_batch_size
+    labels = {"model": model}
+    encoder = build_encoder(EncoderSpec(**MODELS[model]))
+    media = [base64.b64decode(body["items"][0]["image"]) for body in pool]
+    results.add(SECTION, "model_parameters", sum(p.numel() for p in encoder.model.parameters()), "parameters", labels)
+    results.add(SECTION, "replica_torch_threads", threads, "threads", labels)
+    # The baseline before and after the served runs: the machine's load drifts, and the
+    # better of the two (the harder baseline to match) is what the served figures meet.
+    base = {"before": _inprocess(encoder, media, threads, batch, plan.inprocess_s)}
+    ctx.progress.step(f"e2e {model}: in-process")
+    joined_before = ray.get(registry.stats.remote())["encodes_joined_total"]
+    classify = by_title(
+        {
+            f"ServeReplica:{app}:Encoder": "encoder",
+            f"ServeReplica:{app}:Ingress": "ingress",
+            "ProxyActor": "proxy",
+            "ServeController": "controller",
+            "raylet/raylet": "raylet",
+            "gcs_server": "gcs",
+        },
+        {ray.get(registry.ping.remote())["pid"]: "registry"},
+    )
+    saturated = asyncio.run(_served(ctx, model, handle, url, pool, raw, classify))
+    joined = ray.get(registry.stats.remote())["encodes_joined_total"] - joined_before
+    base["after"] = _inprocess(encoder, media, threads, batch, plan.inprocess_s)
+    ctx.progress.step(f"e2e {model}: in-process again")
+    keys = {}
+    for kind in ("forward", "pipeline"):
+        for when, figures in base.items():
+            results.add(SECTION, f"inprocess_{kind}_images_per_s", figures[kind], "images/s", {**labels, "when": when})
+        best = max(figures[kind] for figures in base.values())
+        keys[kind] = results.add(
+            SECTION, f"inprocess_{kind}_images_per_s", best, "images/s", {**labels, "when": "best"}
+        )
+    for path, sat in saturated.items():
+        path_labels = {"model": model, "path": path}
+        value = results.ratio(
+            SECTION,
+            "served_vs_inprocess",
+            results.value(sat),
+            results.value(keys["forward"]),
+            [sat, keys["forward"]],
+            path_labels,
+            how="best served images/s over concurrencies / best in-process batched forward",
+        )
+        results.ratio(
+            SECTION,
+            "served_vs_inprocess_pipeline",
+            results.value(sat),
+            results.value(keys["pipeline"]),
+            [sat, keys["pipeline"]],
+            path_labels,
+            how="best served images/s / best in-process preprocessing + batched forward",
+        )
+        if model == "vit_b":
+            results.target(
+                SECTION,
+                "served_vs_inprocess",
+                value,
+                ">=",
+                0.9,
+                "ViT-B-sized tower: served images/s at saturation >= 0.9 x in-process batched forward",
+                path_labels,
+                [sat, keys["forward"]],
+            )
+    results.note(
+        SECTION,
+        (
+            f"{model}: replica torch threads {threads}, batch {batch}; encodes shared between requests during "
+            f"the served runs: {joined} (0 means every image was encoded)."
+        ),
+    )
+
+
+async def _served(
+    ctx: Context, model: str, handle, url: str, pool: list[dict], raw: list[bytes], classify
+) -> dict[str, str]:
+    """Run every path at every concurrency; return the saturated-throughput figure key per path."""
+    from deployments import BatchConfig
+
+    plan, results = ctx.plan, ctx.results
+    limits = httpx.Limits(max_connections=max(plan.e2e_concurrency) + 4)
+    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+
+        async def via_handle(body: dict) -> None:
+            out = await handle.encode.remote(body)
+            if out["state"] != "staged":
+                raise RuntimeError(f"unexpected state {out['state']}")
+
+        async def via_http(body: bytes) -> None:
+            response = await client.post(url, content=body, headers={"content-type": "application/json"})
+            if response.status_code != 200:
+                raise RuntimeError(f"HTTP {response.status_code}: {response.text[:500]}")
+
+        senders = {"handle": (via_handle, pool), "http": (via_http, raw)}
+        saturated: dict[str, str] = {}
+        # Warm both paths (first batches, connections) before anything is timed.
+        for send, bodies in senders.values():
+            await asyncio.gather(*(send(b) for b in bodies[: BatchConfig().max_batch_size]))
+        for path in PATHS:
+            send, bodies = senders[path]
+            keys = []
+            for concurrency in plan.e2e_concurrency:
+                labels = {"model": model, "path": path, "concurrency": concurrency}
+                with CpuMeter(classify) as cpu:
+                    latencies, total = await _closed_loop(
+                        send, bodies, concurrency, plan.e2e_warmup_s, plan.e2e_window_s
+                    )
+                if concurrency == max(plan.e2e_concurrency):
+                    for role in ROLES:  # where the CPU went, per image, at the highest concurrency
+                        results.add(
+                            SECTION,
+                            "cpu_s_per_image",
+                            cpu.by_role.get(role, 0.0) / total,
+                            "s",
+                            {"model": model, "path": path, "process": role},
+                            n=total,
+                        )
+                    top = sorted(cpu.other.items(), key=lambda kv: -kv[1])[:4]
+                    results.note(
+                        SECTION,
+                        f"{model}, {path}: the largest 'other' processes, CPU ms per image: "
+                        + ", ".join(f"{name} {seconds / total * 1e3:.1f}" for name, seconds in top),
+                    )
+                if not latencies:
+                    raise RuntimeError(
+                        f"no {path} request completed within {plan.e2e_window_s}s at concurrency {concurrency}"
+                    )
+                rate = len(latencies) / plan.e2e_window_s
+                keys.append(results.add(SECTION, "images_per_s", rate, "images/s", labels, n=len(latencies)))
+                results.add_samples(SECTION, "latency_s", latencies, "s", labels)
+                ctx.progress.step(f"e2e {model}: {path} x{concurrency}")
+            best = max(keys, key=results.value)
+            saturated[path] = results.add(
+                SECTION, "saturated_images_per_s", results.value(best), "images/s", {"model": model, "path": path}
+            )
+    return saturated

@@ -1,0 +1,185 @@
+"""3. Registry: full lifecycles per second, against the raw pipelined rate of a no-op async actor.
+
+A lifecycle is what one request costs the registry: ``submit`` (accept, then the
+registry's own call to the encoder), ``receive_count`` = 4 rank fetches, and the
+release, which happens inside the last fetch (no separate call). ``lifecycles``
+new req_ids are run at once by five client processes, as in production: the
+driver submits them (``wait=False``) and each of 4 rank processes (``RankProbe``)
+fetches all of them with ``EmbeddingReceiver.fetch_async``; every client keeps
+``concurrency`` calls in flight. A fetch that arrives before its request is
+staged waits inside the registry on an event, as real ranks' would. Items come
+from the stand-in encoder (``benchmarks.standin``: 8 KB, free to compute), so the
+registry, not a model, is measured. The rate is lifecycles / the time until every
+rank has fetched every request.
+
+The raw rate is the driver making ``await noop.ping.remote()`` calls to an async
+actor at the same concurrency. Registry calls per lifecycle are *counted*, not
+assumed: the registry process's executed-task counter (read from its raylet)
+before and after the timed lifecycles. Polling would show as more calls than
+``receive_count + 1``.
+
+Target: lifecycles/s >= 0.8 x raw calls/s / calls per lifecycle, at the highest
+concurrency, with the minimum number of calls. For the diagnosis, the CPU seconds
+each process spent per lifecycle and per raw call at that concurrency
+(``benchmarks.cpu``): on 2 cores, CPU per unit of work bounds the rate. Fetches
+that fail are counted (``fetch_errors``, normally 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from typing import Awaitable, Callable
+
+import ray
+
+from benchmarks import standin
+from benchmarks.cluster import executed_tasks
+from benchmarks.cpu import CpuMeter, by_title
+from benchmarks.plan import Context, Plan
+
+SECTION = "registry"
+RECEIVE_COUNT = 4
+RAW_ROLES = ("peer", "driver", "other", "all")
+LIFECYCLE_ROLES = ("registry", "encoder", "ranks", "driver", "controller", "raylet", "gcs", "other", "all")
+
+
+def steps(plan: Plan) -> int:
+    return 2 * len(plan.lifecycle_concurrency)
+
+
+async def _pipelined(call: Callable[[], Awaitable], total: int, concurrency: int) -> float:
+    """Run ``total`` calls, ``concurrency`` at a time; return calls per second."""
+    issued = itertools.count()
+
+    async def worker() -> None:
+        while next(issued) < total:
+            await call()
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return total / (time.perf_counter() - start)
+
+
+def _lifecycles(app: standin.StandInApp, ranks: list, count: int, concurrency: int) -> tuple[float, dict[str, int]]:
+    """Run ``count`` lifecycles; (lifecycles per second, fetch errors by type)."""
+    req_ids = [uuid.uuid4().hex for _ in range(count)]
+    submits = iter(req_ids)
+
+    async def submit() -> None:
+        req_id = next(submits)
+        await app.registry.submit.remote(req_id, [standin.media(standin.TINY, req_id)], req_id, RECEIVE_COUNT, False)
+
+    start = time.perf_counter()
+    fetching = [rank.fetch_many.remote(req_ids, concurrency) for rank in ranks]
+    asyncio.run(_pipelined(submit, count, concurrency))
+    errors: dict[str, int] = {}
+    for out in ray.get(fetching):
+        for name, n in out.items():
+            errors[name] = errors.get(name, 0) + n
+    return count / (time.perf_counter() - start), errors
+
+
+def run(ctx: Context, app: standin.StandInApp) -> None:
+    plan, results = ctx.plan, ctx.results
+    noop, registry = ctx.probes.noop, app.registry
+    ranks = ctx.probes.ranks[:RECEIVE_COUNT]
+    if len(ranks) < RECEIVE_COUNT:
+        raise RuntimeError(f"the registry section needs {RECEIVE_COUNT} rank processes, got {len(ranks)}")
+    ray.get([rank.use_registry.remote(app.registry_name, app.namespace) for rank in ranks])
+
+    async def raw_call() -> None:
+        await noop.ping.remote()
+
+    rank_pids = ray.get([rank.pid.remote() for rank in ranks])
+    classify_raw = by_title({}, {ray.get(noop.pid.remote()): "peer"})
+    classify_life = by_title(
+        {
+            f"ServeReplica:{standin.APP}:Encoder": "encoder",
+            "ServeController": "controller",
+            "raylet/raylet": "raylet",
+            "gcs_server": "gcs",
+        },
+        {ray.get(registry.ping.remote())["pid"]: "registry", **dict.fromkeys(rank_pids, "ranks")},
+    )
+    asyncio.run(_pipelined(raw_call, 200, 16))  # warm-up: connections, workers, code paths
+    _lifecycles(app, ranks, 20, 16)
+    raw_keys, life_keys, calls_per, errors = {}, {}, [], {}
+    top = max(plan.lifecycle_concurrency)
+    for concurrency in plan.lifecycle_concurrency:
+        labels = {"concurrency": concurrency}
+        with CpuMeter(classify_raw) as raw_cpu:
+            rate = asyncio.run(_pipelined(raw_call, plan.raw_calls, concurrency))
+        raw_keys[concurrency] = results.add(SECTION, "raw_calls_per_s", rate, "1/s", labels, n=plan.raw_calls)
+        ctx.progress.step(f"registry: raw calls x{concurrency}")
+        before = executed_tasks(registry)
+        with CpuMeter(classify_life) as life_cpu:
+            rate, failed = _lifecycles(app, ranks, plan.lifecycles, concurrency)
+        calls_per.append((executed_tasks(registry) - before) / plan.lifecycles)
+        for name, n in failed.items():
+            errors[name] = errors.get(name, 0) + n
+        life_keys[concurrency] = results.add(SECTION, "lifecycles_per_s", rate, "1/s", labels, n=plan.lifecycles)
+        ctx.progress.step(f"registry: lifecycles x{concurrency}")
+        if concurrency == top:  # where the CPU went, at the concurrency the target is judged at
+            for role in RAW_ROLES:
+                results.add(
+                    SECTION,
+                    "cpu_s_per_raw_call",
+                    raw_cpu.by_role.get(role, 0.0) / plan.raw_calls,
+                    "s",
+                    {"concurrency": top, "process": role},
+                    n=plan.raw_calls,
+                )
+            for role in LIFECYCLE_ROLES:
+                results.add(
+                    SECTION,
+                    "cpu_s_per_lifecycle",
+                    life_cpu.by_role.get(role, 0.0) / plan.lifecycles,
+                    "s",
+                    {"concurrency": top, "process": role},
+                    n=plan.lifecycles,
+                )
+    calls = max(calls_per)
+    total = len(calls_per) * plan.lifecycles
+    calls_key = results.add(SECTION, "registry_calls_per_lifecycle", calls, "calls", n=total)
+    results.add(SECTION, "fetch_errors", sum(errors.values()), "calls", n=total * RECEIVE_COUNT)
+    raw, life = results.value(raw_keys[top]), results.value(life_keys[top])
+    value = results.ratio(
+        SECTION,
+        "lifecycles_vs_raw_per_call",
+        life * calls,
+        raw,
+        [life_keys[top], raw_keys[top], calls_key],
+        {"concurrency": top},
+        how="lifecycles/s x registry calls per lifecycle / raw no-op calls/s",
+    )
+    results.target(
+        SECTION,
+        "lifecycles_vs_raw_per_call",
+        value,
+        ">=",
+        0.8,
+        "lifecycles/s >= 80% of (raw no-op calls/s / registry calls per lifecycle)",
+        {"concurrency": top},
+        [life_keys[top], raw_keys[top], calls_key],
+    )
+    results.target(
+        SECTION,
+        "registry_calls_per_lifecycle",
+        calls,
+        "<=",
+        RECEIVE_COUNT + 1,
+        f"the minimum: 1 submit + receive_count ({RECEIVE_COUNT}) fetches, release inside the last (no polling)",
+        inputs=[calls_key],
+    )
+    results.note(
+        SECTION,
+        (
+            f"receive_count={RECEIVE_COUNT}; the driver submits and {RECEIVE_COUNT} rank processes fetch, each with "
+            "`concurrency` calls in flight; stand-in encoder (8 KB items, no compute). Every lifecycle also "
+            "includes the registry's own Serve call to the encoder, which the raw no-op rate does not. Calls "
+            f"counted from the registry process's executed-task counter. Fetch errors: {errors or 'none'}."
+        ),
+    )

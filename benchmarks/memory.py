@@ -1,0 +1,182 @@
+"""5. Memory: peak object-store bytes per staged byte during a burst, and the return to baseline.
+
+The burst goes through the whole app as a client sends it: the Python handle of
+the real ``Ingress``, which hands the media bytes to the registry, which sends
+them to the ``Encoder`` and keeps the result. The encoder is the stand-in
+(``benchmarks.standin``: the real ``Encoder`` code with a free model), so every
+embedding is exactly 4.72 MB (576 tokens x 4096, bfloat16: what a 672 x 672
+image gives a Qwen2.5-VL-7B-class model). The media item of each request is as
+large as a 384 x 384 random PNG (0.44 MB: incompressible pixels, a pessimistic
+input), so the input bytes travel through the object store as a real image's
+would; the model's decoding of them touches no object store and is left out.
+
+``plan.memory_burst`` requests (``receive_count`` = 2) are sent at once while a
+thread samples the raylet's ``object_store_bytes_used`` every few milliseconds.
+Then two rank processes fetch every request (the second fetch releases it) and
+drop the tensors, and the store is watched until it is back to its level before
+the burst.
+
+Figures: the peak above baseline divided by the bytes staged (the embeddings'
+own size; input bytes in flight count against it), the time to return, and the
+bytes left over. Target: <= 1.1 store bytes per staged byte, and back to
+baseline (within 1 MiB, less than any one embedding).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import gc
+import threading
+import time
+
+import ray
+from ray import serve
+
+from benchmarks import standin
+from benchmarks.cluster import object_store_used
+from benchmarks.images import png
+from benchmarks.plan import SIZES, Context, Plan
+
+SECTION = "memory"
+EMBEDDING_BYTES = SIZES[1]
+INPUT_SIDE = 384
+_RETURN_TOLERANCE = 1024 * 1024
+_RETURN_TIMEOUT_S = 30.0
+
+
+def steps(plan: Plan) -> int:
+    return 3
+
+
+class _Sampler:
+    """Samples object-store bytes in a thread until stopped; keeps the peak."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, object_store_used())
+            self.samples += 1
+            self._stop.wait(0.002)
+
+    def __enter__(self) -> "_Sampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, object_store_used())
+
+
+def _settled(timeout_s: float = 15.0) -> int:
+    """The store's bytes once two readings 1.2 s apart agree: frees of earlier objects
+    reach the raylet asynchronously (in batches, about every second), and a baseline
+    taken mid-free would be too high."""
+    deadline = time.perf_counter() + timeout_s
+    last = object_store_used()
+    while time.perf_counter() < deadline:
+        time.sleep(1.2)
+        now = object_store_used()
+        if now == last:
+            return now
+        last = now
+    return last
+
+
+def _bodies(count: int) -> list[dict]:
+    """Encode bodies whose media carry the stand-in header, padded to a real image's size."""
+    input_bytes = len(png(INPUT_SIDE, seed=0))
+    out = []
+    for i in range(count):
+        header = standin.media(EMBEDDING_BYTES, f"mem{i}") + b":"
+        data = header + bytes(input_bytes - len(header))
+        out.append({"receive_count": 2, "items": [{"type": "image", "image": base64.b64encode(data).decode()}]})
+    return out
+
+
+def run(ctx: Context, app: standin.StandInApp) -> None:
+    plan, results = ctx.plan, ctx.results
+    handle = serve.get_app_handle(standin.APP)
+    ranks = ctx.probes.ranks[:2]
+    ray.get([rank.use_registry.remote(app.registry_name, app.namespace) for rank in ranks])
+    bodies = _bodies(plan.memory_burst + 1)
+    warm = handle.encode.remote(bodies[-1]).result()  # warm-up: the Ingress's handles and threads
+    ray.get([rank.fetch.remote(warm["req_id"]) for rank in ranks])
+    ctx.progress.step("memory: warm")
+    gc.collect()
+    baseline = _settled()
+
+    async def burst() -> list[dict]:
+        return await asyncio.gather(*(handle.encode.remote(body) for body in bodies[:-1]))
+
+    with _Sampler() as sampler:
+        staged = asyncio.run(burst())
+        staged_bytes = sum(item["nbytes"] for out in staged for item in out["items"])
+        ctx.progress.step("memory: burst")
+        ray.get([rank.fetch.remote(out["req_id"]) for out in staged for rank in ranks])
+    del staged
+    start = time.perf_counter()
+    while (
+        left := object_store_used() - baseline
+    ) > _RETURN_TOLERANCE and time.perf_counter() - start < _RETURN_TIMEOUT_S:
+        time.sleep(0.05)
+    back_s = time.perf_counter() - start
+    ctx.progress.step("memory: release")
+
+    peak = sampler.peak - baseline
+    staged_key = results.add(SECTION, "staged_bytes", staged_bytes, "B", n=plan.memory_burst)
+    peak_key = results.add(SECTION, "peak_store_bytes_above_baseline", peak, "B", n=sampler.samples)
+    results.add(SECTION, "baseline_store_bytes", baseline, "B")
+    back_key = results.add(SECTION, "return_to_baseline_s", back_s, "s")
+    left_key = results.add(SECTION, "bytes_left_after_release", left, "B")
+    input_bytes = len(png(INPUT_SIDE, seed=0))
+    input_key = results.add(SECTION, "input_bytes_per_request", input_bytes, "B")
+    ratio = results.ratio(
+        SECTION,
+        "peak_per_staged_byte",
+        peak,
+        staged_bytes,
+        [peak_key, staged_key],
+        how="(peak object-store bytes - baseline) / bytes of embeddings staged",
+    )
+    results.ratio(
+        SECTION,
+        "extra_peak_per_input_byte",
+        peak - staged_bytes,
+        plan.memory_burst * input_bytes,
+        [peak_key, staged_key, input_key],
+        how="(peak above baseline - staged bytes) / input bytes of the burst: copies of the inputs at the peak",
+    )
+    results.target(
+        SECTION,
+        "peak_per_staged_byte",
+        ratio,
+        "<=",
+        1.1,
+        "peak object-store bytes per staged byte during a burst <= 1.1",
+        inputs=[peak_key, staged_key],
+    )
+    results.target(
+        SECTION,
+        "returns_to_baseline",
+        1.0 if left <= _RETURN_TOLERANCE else 0.0,
+        "==",
+        1.0,
+        "object store back to its pre-burst level (within 1 MiB) after every rank fetched and let go",
+        inputs=[left_key, back_key],
+    )
+    results.note(
+        SECTION,
+        (
+            f"{plan.memory_burst} concurrent requests through the Python handle, each one item of "
+            f"{input_bytes / 1e6:.2f} MB (a {INPUT_SIDE}x{INPUT_SIDE} random PNG's size) staged as a "
+            f"{EMBEDDING_BYTES / 1e6:.2f} MB embedding by the stand-in encoder, receive_count=2; store sampled by "
+            f"{sampler.samples} raylet readings."
+        ),
+    )

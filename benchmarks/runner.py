@@ -1,0 +1,198 @@
+"""``python -m benchmarks [--quick] [--out DIR] [--sections ...]``: run the sections, write the results.
+
+Order: one local Ray cluster of this run's own; the stand-in app and a registry
+for fetch, staging and registry; the real app for memory and end to end; the
+cluster is shut down; then a second, pre-faulted cluster repeats the staging
+measurements (``benchmarks.staging``); last, results.json, results.md and the
+plots are written. A section that fails is recorded under ``errors`` and the
+others still run; the exit status is then 1. Targets that are not met do not
+change the exit status: they are findings, not failures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+import ray
+
+from benchmarks import end_to_end, fetch, lifecycle, memory, report, schema, staging, standin
+from benchmarks.cluster import local_cluster, machine, run_token
+from benchmarks.cpu import CpuLedger
+from benchmarks.plan import SIZES, Context, Plan, Progress
+from benchmarks.probes import Probes
+from benchmarks.stats import Results
+
+DEFAULT_OUT = os.path.join("benchmarks", "results")
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the CI smoke run: every figure, few samples (< 1 min)")
+    parser.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
+    parser.add_argument(
+        "--sections",
+        default=",".join(schema.SECTIONS),
+        help=f"comma-separated subset of {','.join(schema.SECTIONS)} (default: all)",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="plain progress lines instead of a bar")
+    args = parser.parse_args(argv)
+    requested = [s for s in args.sections.split(",") if s]
+    unknown = set(requested) - set(schema.SECTIONS)
+    if unknown or not requested:
+        parser.error(f"unknown or no sections {sorted(unknown)}; choose from {','.join(schema.SECTIONS)}")
+    args.sections = tuple(s for s in schema.SECTIONS if s in requested)  # always in the run's order
+    return args
+
+
+class _Phases:
+    """Wall and CPU seconds (of every process of the run) per phase: where a run's time goes."""
+
+    def __init__(self) -> None:
+        self.table: dict[str, dict[str, float]] = {}
+        self._ledger = CpuLedger()
+        self._wall, self._cpu = time.perf_counter(), self._ledger.total()
+
+    def mark(self, phase: str) -> None:
+        wall, cpu = time.perf_counter(), self._ledger.total()
+        self.table[phase] = {"wall_s": wall - self._wall, "cpu_s": cpu - self._cpu}
+        self._wall, self._cpu = wall, cpu
+
+
+def _guarded(errors: dict[str, str], phases: _Phases, section: str, body: Callable[[], None]) -> None:
+    try:
+        body()
+    except Exception:  # noqa: BLE001 - recorded; the other sections still run
+        errors[section] = traceback.format_exc()
+        print(f"\nsection {section} failed:\n{errors[section]}", file=sys.stderr)
+    finally:
+        phases.mark(section)
+
+
+def _deploy(ctx: Context, sections: tuple[str, ...]) -> standin.StandInApp | None:
+    """Every app and probe actor the sections need, started at once before anything is
+    timed (the apps are then left idle until the end: deleting one costs more than it idles)."""
+    from ray import serve
+    from ray.serve import RunTarget
+
+    uses_standin = bool({"fetch", "staging", "registry", "memory"} & set(sections))
+    ctx.probes = Probes.start(max(ctx.plan.fetch_ranks, lifecycle.RECEIVE_COUNT, 2), list(SIZES))
+    targets = []
+    registry_name = ctx.name("bench_registry")
+    if uses_standin:
+        app = standin.application(list(staging.STAGING_SIZES), registry_name, ctx.cluster["namespace"])
+        targets.append(RunTarget(app, name=standin.APP, route_prefix=None))
+    if "e2e" in sections:
+        for model in end_to_end.MODELS:
+            app = end_to_end.app_name(model)
+            targets.append(RunTarget(end_to_end.application(ctx, model), name=app, route_prefix=f"/{app}"))
+    serve.run_many(targets)
+    ctx.probes.ready()
+    return standin.connect(registry_name, ctx.cluster["namespace"]) if uses_standin else None
+
+
+def _retire_standin(ctx: Context, app: standin.StandInApp) -> None:
+    """Remove the stand-in app, its registry and the probe actors once no section needs them."""
+    from ray import serve
+
+    ray.kill(app.registry)
+    for actor in (*ctx.probes.ranks, ctx.probes.noop):
+        ray.kill(actor)
+    serve.delete(standin.APP, _blocking=ctx.plan.blocking_cleanup)
+
+
+def run(plan: Plan, sections: tuple[str, ...], out_dir: str, progress_bar: bool = True) -> dict[str, Any]:
+    steps = {
+        "fetch": fetch.steps(plan),
+        "staging": staging.steps(plan),
+        "registry": lifecycle.steps(plan),
+        "memory": memory.steps(plan),
+        "e2e": end_to_end.steps(plan),
+    }
+    progress = Progress(3 + sum(steps[s] for s in sections), enabled=progress_bar)
+    results, errors, phases = Results(), {}, _Phases()
+    token = run_token()
+    started = datetime.datetime.now(datetime.timezone.utc)
+    wall = time.perf_counter()
+    info = machine()
+    prealloc = None
+    if "staging" in sections and plan.prealloc_in_parallel:
+        prealloc = staging.start_preallocated(plan, token, out_dir)
+    try:
+        with local_cluster(f"epd-bench-{token}") as cluster:
+            phases.mark("cluster_up")
+            progress.step("cluster up")
+            ctx = Context(plan=plan, results=results, progress=progress, cluster=cluster, token=token)
+            app = _deploy(ctx, sections)
+            phases.mark("deploy")
+            progress.step("apps deployed")
+            # Staging first: its cold burst needs object-store pages no section has touched.
+            for section, body in (
+                ("staging", lambda: staging.run(ctx, app)),
+                ("fetch", lambda: fetch.run(ctx, app)),
+                ("registry", lambda: lifecycle.run(ctx, app)),
+                ("memory", lambda: memory.run(ctx, app)),
+                ("e2e", lambda: end_to_end.run(ctx)),
+            ):
+                if section == "e2e" and app is not None:
+                    _retire_standin(ctx, app)  # idle actors still cost CPU that the served models would miss
+                if section in sections:
+                    _guarded(errors, phases, section, body)
+        phases.mark("cluster_down")
+        progress.step("cluster down")
+        if "staging" in sections:
+            if prealloc is None:
+                prealloc = staging.start_preallocated(plan, token, out_dir)
+            started_prealloc, prealloc = prealloc, None
+            _guarded(errors, phases, "staging_prealloc", lambda: staging.finish_preallocated(ctx, started_prealloc))
+    finally:
+        progress.close()
+        if prealloc is not None:  # never waited for (an error above): do not leave its cluster running
+            staging.kill_preallocated(prealloc)
+    info["load_avg_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    doc: dict[str, Any] = {
+        "schema_version": schema.SCHEMA_VERSION,
+        "tool": "python -m benchmarks",
+        "mode": plan.mode,
+        "sections": list(sections),
+        "started_at": started.isoformat(timespec="seconds"),
+        "wall_s": time.perf_counter() - wall,
+        "phases": phases.table,
+        "machine": info,
+        "cluster": cluster,
+        "plan": dataclasses.asdict(plan),
+        "figures": results.figures,
+        "ratios": results.ratios,
+        "targets": results.targets,
+        "summary": {"targets_met": sum(t["met"] for t in results.targets), "targets_total": len(results.targets)},
+        "notes": results.notes,
+        "files": {"markdown": "results.md", "plots": list(schema.PLOTS)},
+    }
+    if errors:
+        doc["errors"] = errors
+    return doc
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    plan = Plan.quick() if args.quick else Plan.default()
+    os.makedirs(args.out, exist_ok=True)
+    doc = run(plan, args.sections, args.out, progress_bar=not args.no_progress)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+    report.write_all(doc, args.out)
+    problems = schema.validate(doc)
+    met, total = doc["summary"]["targets_met"], doc["summary"]["targets_total"]
+    print(
+        f"{met}/{total} targets met in {doc['wall_s']:.0f} s; results in {os.path.abspath(args.out)}", file=sys.stderr
+    )
+    for problem in problems:
+        print(f"schema: {problem}", file=sys.stderr)
+    return 1 if problems or "errors" in doc else 0

@@ -1,0 +1,179 @@
+"""A stand-in model inside the real ``Encoder`` deployment: a free forward pass of exact output size.
+
+``StandInEncoder`` is the project's ``Encoder`` deployment class (subclassed, so
+every call the registry makes, ``identity``, ``encode``, ``encode_parts`` or
+whatever it uses, runs the real code: the thread hops, ``@serve.batch``, the
+return path) with one change: its vision tower is ``StandInModel``, whose
+outputs are bfloat16 tensors computed once at start. A call therefore costs
+exactly what happens around and *after* a forward pass: building the
+``EncodedItem`` (no copy on CPU) and Ray storing the returned payload in the
+object store for the caller, the registry, which owns it.
+
+Used by the fetch, staging and registry sections, which measure the staging
+and transport of embeddings, not a model. The media bytes name the output size:
+``b"standin:<nbytes>:<nonce>"`` (the nonce makes every item's hash unique).
+Batches run as soon as the previous one is done (``batch_wait_timeout_s`` 0),
+so no batching delay is added before the "forward pass".
+
+It also times, inside the same replica process, the baselines staging is
+compared with: ``ray.put`` of the same payload, and memcpys of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from typing import Any, Sequence
+
+import numpy as np
+import ray
+import torch
+from ray import serve
+
+from benchmarks.probes import fresh_copy
+from deployments.encoder import Encoder as _EncoderDeployment
+from encoder import EncodedItem, PreparedItem, VisionEncoder
+
+IDENTITY = "standin:bf16:v1"
+APP = "bench-standin"
+# Columns of every stand-in embedding: a 7B-class language model's hidden size.
+WIDTH = 4096
+_ROW_BYTES = WIDTH * 2  # bfloat16
+_EMPTY = torch.empty(0)
+# The smallest output: one row, 8 KB, small enough to travel inline in Ray's replies.
+TINY = _ROW_BYTES
+
+
+def media(nbytes: int, nonce: str) -> bytes:
+    """The media item that makes the stand-in return an embedding of ``nbytes`` bytes."""
+    if nbytes % _ROW_BYTES:
+        raise ValueError(f"stand-in sizes are whole rows of {_ROW_BYTES} bytes, got {nbytes}")
+    return f"standin:{nbytes}:{nonce}".encode()
+
+
+class StandInModel(VisionEncoder):
+    """A ``VisionEncoder`` whose embeddings are ready-made: ``nbytes`` from the media -> that tensor."""
+
+    family = "standin"
+
+    def __init__(self, sizes: Sequence[int]):
+        self.identity = IDENTITY
+        self.device = torch.device("cpu")
+        self.dtype = torch.bfloat16
+        generator = torch.Generator().manual_seed(0)
+        self.tensors = {n: torch.randn(n // _ROW_BYTES, WIDTH, generator=generator).to(torch.bfloat16) for n in sizes}
+
+    def preprocess(self, data: bytes) -> PreparedItem:
+        nbytes = int(data.split(b":")[1])
+        return PreparedItem(pixels=_EMPTY, mm_hash=self.mm_hash(data), meta={}, batch_key=(nbytes,))
+
+    def embed(self, items: Sequence[PreparedItem]) -> list[torch.Tensor]:
+        return [self.tensors[item.batch_key[0]] for item in items]
+
+
+class StandInEncoder(_EncoderDeployment.func_or_class):
+    def __init__(self, sizes: list[int]):
+        super().__init__({"family": "tiny-vit", "dtype": "bfloat16"})  # a tiny model, replaced at once
+        self._encoder = StandInModel(sizes)
+        self._held: list[Any] = []
+        # Warm buffers for the memcpy baseline: touched once, so copies into them fault no pages.
+        self._dst = {n: np.ones(n, dtype=np.uint8) for n in sizes}
+
+    async def copies_before_store(self, nbytes: int) -> int:
+        """Copies ``EncodedItem.from_tensor`` makes of the output: 0 if the payload is a view."""
+        tensor = self._encoder.tensors[nbytes]
+        payload = EncodedItem.from_tensor(tensor, PreparedItem(_EMPTY, "x", {}, ())).payload
+        return 0 if payload.ctypes.data == tensor.data_ptr() else 1
+
+    async def put(self, nbytes: int, hold: bool = False) -> float:
+        """Seconds for ``ray.put`` of this size's payload (int16 view of the bf16 tensor, as staged).
+
+        ``hold`` keeps the object alive, so that the next put lands in fresh object-store pages.
+        """
+        payload = self._encoder.tensors[nbytes].view(torch.int16).numpy()
+        start = time.perf_counter()
+        ref = ray.put(payload)
+        elapsed = time.perf_counter() - start
+        if hold:
+            self._held.append(ref)
+        return elapsed
+
+    async def release(self) -> int:
+        count = len(self._held)
+        self._held.clear()
+        return count
+
+    async def memcpy(self, nbytes: int) -> dict[str, float]:
+        """Seconds for one memcpy of the payload into a warm buffer and into fresh pages."""
+        src = self._encoder.tensors[nbytes].view(torch.uint8).numpy().reshape(-1)
+        dst = self._dst[nbytes]
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        warm = time.perf_counter() - start
+        start = time.perf_counter()
+        fresh_copy(src)
+        cold = time.perf_counter() - start
+        return {"warm": warm, "fresh": cold}
+
+
+StandInDeployment = serve.deployment(
+    StandInEncoder,
+    name="Encoder",
+    max_ongoing_requests=1024,
+    ray_actor_options={"num_cpus": 0},
+    user_config={"max_batch_size": 8, "batch_wait_timeout_s": 0.0},
+)
+
+
+@dataclasses.dataclass
+class StandInApp:
+    """The stand-in app (Ingress -> registry -> stand-in Encoder), deployed."""
+
+    encoder: Any  # DeploymentHandle of the stand-in Encoder (for its baseline methods)
+    registry: Any  # ActorHandle of the app's registry
+    registry_name: str
+    namespace: str
+
+    def submit(self, nbytes: int, receive_count: int, wait: bool = True) -> tuple[str, float]:
+        """Submit one stand-in item of ``nbytes``; (req_id, seconds until the call returned)."""
+        req_id = uuid.uuid4().hex
+        start = time.perf_counter()
+        ray.get(self.registry.submit.remote(req_id, [media(nbytes, req_id)], req_id, receive_count, wait))
+        return req_id, time.perf_counter() - start
+
+    def cancel(self, req_id: str) -> None:
+        ray.get(self.registry.cancel.remote(req_id))
+
+
+def application(sizes: list[int], registry_name: str, namespace: str) -> Any:
+    """The real ``Ingress`` in front of the stand-in: deploy it under ``APP`` (no HTTP route needed).
+
+    The Ingress creates the registry, as the real app does; only its encoder is the
+    stand-in, and the content-hash cache is off (every item is new).
+    """
+    from deployments import AppConfig, Ingress
+
+    config = AppConfig.model_validate(
+        {
+            "registry_name": registry_name,
+            "registry_namespace": namespace,
+            "cache_max_bytes": 0,
+            "model": {"family": "tiny-vit", "dtype": "bfloat16"},
+        }
+    )
+    encoder = StandInDeployment.bind(sorted({*sizes, TINY}))
+    return Ingress.options(ray_actor_options={"num_cpus": 0}).bind(encoder, config.model_dump())
+
+
+def connect(registry_name: str, namespace: str) -> StandInApp:
+    """The deployed stand-in app's handles (its registry is up once the app is)."""
+    registry = ray.get_actor(registry_name, namespace=namespace)
+    ray.get(registry.ping.remote())
+    return StandInApp(serve.get_deployment_handle("Encoder", APP), registry, registry_name, namespace)
+
+
+def deploy(sizes: list[int], registry_name: str, namespace: str) -> StandInApp:
+    """Deploy the stand-in app alone and connect to it."""
+    serve.run(application(sizes, registry_name, namespace), name=APP, route_prefix=None)
+    return connect(registry_name, namespace)
