@@ -119,8 +119,10 @@ class EncoderClient:
             ref = None
             try:
                 ref = await response._to_object_ref()
-                # Read the value once for its metadata; on the same node this maps the
-                # payload without copying it, and the mapping is dropped on return.
+                # Read the value once for its metadata. On the same node this maps the
+                # payload without copying it (the mapping is dropped on return); from another
+                # node it leaves a spare, evictable copy here, as Serve's router's own read of
+                # every result does anyway.
                 encoded = await ref
             except asyncio.CancelledError:
                 response.cancel()
