@@ -125,7 +125,7 @@ class EmbeddingRegistry:
         With ``wait`` it returns once the entry left ``pending``; a failed, cancelled
         or expired outcome raises that error.
         """
-        self._ensure_timer()
+        self._ensure_background_tasks()
         count = self._settings.default_receive_count if receive_count is None else receive_count
         try:
             entry, created = self._state.accept(req_id, digest, count, time.time())
@@ -151,7 +151,7 @@ class EmbeddingRegistry:
             # The caller went away (client disconnected or timed out; the ingress cancels this
             # call). If no other caller waits for this request, nobody will use its result:
             # cancel it rather than stage an orphan, and ranks waiting for it are told so.
-            if self._submitters[req_id] == 1 and self._state.is_live(req_id) and entry.state == PENDING:
+            if self._submitters[req_id] == 1 and entry.state == PENDING:  # pending: still the live one
                 self._state.cancel(req_id, time.time())
                 self._changed_now(req_id)
             raise
@@ -320,7 +320,7 @@ class EmbeddingRegistry:
                 if self._changed.get(req_id) is event:
                     del self._changed[req_id]
 
-    def _ensure_timer(self) -> None:
+    def _ensure_background_tasks(self) -> None:
         if self._timer is None or self._timer.done():
             self._timer = asyncio.create_task(self._expire_loop())
         if self._publisher is None or self._publisher.done():

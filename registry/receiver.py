@@ -63,10 +63,6 @@ def _translate(exc: BaseException, req_id: str) -> BaseException:
     return exc
 
 
-async def _read(ref: ray.ObjectRef) -> Any:
-    return await ref
-
-
 def _items(pairs: list[tuple[dict[str, Any], Any]], values: list[EncodedItem]) -> list[ReceivedItem]:
     return [ReceivedItem(tensor=value.tensor(), meta=meta) for (meta, _), value in zip(pairs, values, strict=True)]
 
@@ -124,9 +120,7 @@ class EmbeddingReceiver:
             try:
                 # A deadline as in ``fetch``: under load Ray has been seen (about one read in
                 # 3,000, several ranks of one process reading one entry) never to answer one.
-                values = await asyncio.wait_for(
-                    asyncio.gather(*(_read(ref) for _, ref in pairs)), _CALL_GRACE_S + timeout_s
-                )
+                values = await asyncio.wait_for(asyncio.gather(*(ref for _, ref in pairs)), _CALL_GRACE_S + timeout_s)
             except TimeoutError:
                 raise NotReady(f"reading the staged embeddings of req_id {req_id} timed out", req_id) from None
             except _LOST:
