@@ -39,6 +39,7 @@ from benchmarks import standin
 from benchmarks.cluster import executed_tasks
 from benchmarks.cpu import CpuMeter, by_title
 from benchmarks.plan import Context, Plan
+from registry import media_input
 
 SECTION = "registry"
 RECEIVE_COUNT = 4
@@ -70,7 +71,7 @@ def _lifecycles(app: standin.StandInApp, ranks: list, count: int, concurrency: i
 
     async def submit() -> None:
         req_id = next(submits)
-        await app.registry.submit.remote(req_id, [standin.media(standin.TINY, req_id)], req_id, RECEIVE_COUNT, False)
+        await app.registry.submit.remote(req_id, [media_input(standin.media(standin.TINY, req_id))], req_id, RECEIVE_COUNT, False)
 
     start = time.perf_counter()
     fetching = [rank.fetch_many.remote(req_ids, concurrency) for rank in ranks]

@@ -1,25 +1,28 @@
 """5. Memory: peak object-store bytes per staged byte during a burst, and the return to baseline.
 
-The burst goes through the whole app as a client sends it: the Python handle of
-the real ``Ingress``, which hands the media bytes to the registry, which sends
-them to the ``Encoder`` and keeps the result. The encoder is the stand-in
-(``benchmarks.standin``: the real ``Encoder`` code with a free model), so every
-embedding is exactly 4.72 MB (576 tokens x 4096, bfloat16: what a 672 x 672
-image gives a Qwen2.5-VL-7B-class model). The media item of each request is as
-large as a 384 x 384 random PNG (0.44 MB: incompressible pixels, a pessimistic
-input), so the input bytes travel through the object store as a real image's
-would; the model's decoding of them touches no object store and is left out.
+The burst goes through the whole app as a client sends it, once through the
+Python handle of the real ``Ingress`` and once over HTTP: the Ingress stores
+each item's bytes once (``registry.inputs``) and hands the ref to the registry,
+which passes it to the ``Encoder`` and keeps the result. The encoder is the
+stand-in (``benchmarks.standin``: the real ``Encoder`` code with a free model),
+so every embedding is exactly 4.72 MB (576 tokens x 4096, bfloat16: what a
+672 x 672 image gives a Qwen2.5-VL-7B-class model). The media item of each
+request is as large as a 384 x 384 random PNG (0.44 MB: incompressible pixels,
+a pessimistic input), so the input bytes travel through the object store as a
+real image's would; the model's decoding of them touches no object store and is
+left out.
 
-``plan.memory_burst`` requests (``receive_count`` = 2) are sent at once while a
-thread samples the raylet's ``object_store_bytes_used`` every few milliseconds.
-Then two rank processes fetch every request (the second fetch releases it) and
-drop the tensors, and the store is watched until it is back to its level before
-the burst.
+Per path, ``plan.memory_burst`` requests (``receive_count`` = 2) are sent at
+once while a thread samples the raylet's ``object_store_bytes_used`` every few
+milliseconds. Then two rank processes fetch every request (the second fetch
+releases it) and drop the tensors, and the store is watched until it is back to
+its level before the burst.
 
-Figures: the peak above baseline divided by the bytes staged (the embeddings'
-own size; input bytes in flight count against it), the time to return, and the
-bytes left over. Target: <= 1.1 store bytes per staged byte, and back to
-baseline (within 1 MiB, less than any one embedding).
+Figures, per path: the peak above baseline divided by the bytes staged (the
+embeddings' own size; input bytes in flight count against it), the copies of
+the input at the peak, the time to return, and the bytes left over. Target:
+<= 1.1 store bytes per staged byte, and back to baseline (within 1 MiB, less
+than any one embedding).
 """
 
 from __future__ import annotations
@@ -27,9 +30,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import gc
+import json
 import threading
 import time
 
+import httpx
 import ray
 from ray import serve
 
@@ -43,10 +48,11 @@ EMBEDDING_BYTES = SIZES[1]
 INPUT_SIDE = 384
 _RETURN_TOLERANCE = 1024 * 1024
 _RETURN_TIMEOUT_S = 30.0
+PATHS = ("handle", "http")
 
 
 def steps(plan: Plan) -> int:
-    return 3
+    return 1 + len(PATHS)
 
 
 class _Sampler:
@@ -100,25 +106,30 @@ def _bodies(count: int) -> list[dict]:
     return out
 
 
-def run(ctx: Context, app: standin.StandInApp) -> None:
-    plan, results = ctx.plan, ctx.results
+def _burst(ctx: Context, path: str, bodies: list[dict], ranks: list) -> dict[str, float]:
+    """One burst of ``bodies`` through ``path``; the store's peak, what was staged, the return."""
     handle = serve.get_app_handle(standin.APP)
-    ranks = ctx.probes.ranks[:2]
-    ray.get([rank.use_registry.remote(app.registry_name, app.namespace) for rank in ranks])
-    bodies = _bodies(plan.memory_burst + 1)
-    warm = handle.encode.remote(bodies[-1]).result()  # warm-up: the Ingress's handles and threads
-    ray.get([rank.fetch.remote(warm["req_id"]) for rank in ranks])
-    ctx.progress.step("memory: warm")
-    gc.collect()
-    baseline = _settled()
+    url = f"{ctx.cluster['http_url']}/{standin.APP}/v1/encode"
+    raw = [json.dumps(body).encode() for body in bodies]
 
     async def burst() -> list[dict]:
-        return await asyncio.gather(*(handle.encode.remote(body) for body in bodies[:-1]))
+        if path == "handle":
+            return await asyncio.gather(*(handle.encode.remote(body) for body in bodies))
+        limits = httpx.Limits(max_connections=len(raw))
+        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+            async def post(body: bytes) -> dict:
+                response = await client.post(url, content=body, headers={"content-type": "application/json"})
+                response.raise_for_status()
+                return response.json()
 
+            return await asyncio.gather(*(post(body) for body in raw))
+
+    gc.collect()
+    baseline = _settled()
     with _Sampler() as sampler:
         staged = asyncio.run(burst())
         staged_bytes = sum(item["nbytes"] for out in staged for item in out["items"])
-        ctx.progress.step("memory: burst")
+        ctx.progress.step(f"memory: burst via {path}")
         ray.get([rank.fetch.remote(out["req_id"]) for out in staged for rank in ranks])
     del staged
     start = time.perf_counter()
@@ -126,31 +137,65 @@ def run(ctx: Context, app: standin.StandInApp) -> None:
         left := object_store_used() - baseline
     ) > _RETURN_TOLERANCE and time.perf_counter() - start < _RETURN_TIMEOUT_S:
         time.sleep(0.05)
-    back_s = time.perf_counter() - start
-    ctx.progress.step("memory: release")
+    return {
+        "baseline": baseline,
+        "peak": sampler.peak - baseline,
+        "samples": sampler.samples,
+        "staged": staged_bytes,
+        "back_s": time.perf_counter() - start,
+        "left": left,
+    }
 
-    peak = sampler.peak - baseline
-    staged_key = results.add(SECTION, "staged_bytes", staged_bytes, "B", n=plan.memory_burst)
-    peak_key = results.add(SECTION, "peak_store_bytes_above_baseline", peak, "B", n=sampler.samples)
-    results.add(SECTION, "baseline_store_bytes", baseline, "B")
-    back_key = results.add(SECTION, "return_to_baseline_s", back_s, "s")
-    left_key = results.add(SECTION, "bytes_left_after_release", left, "B")
+
+def run(ctx: Context, app: standin.StandInApp) -> None:
+    plan, results = ctx.plan, ctx.results
+    handle = serve.get_app_handle(standin.APP)
+    ranks = ctx.probes.ranks[:2]
+    ray.get([rank.use_registry.remote(app.registry_name, app.namespace) for rank in ranks])
+    bodies = _bodies(2 * plan.memory_burst + 1)
+    warm = handle.encode.remote(bodies[-1]).result()  # warm-up: the Ingress's handles and threads
+    ray.get([rank.fetch.remote(warm["req_id"]) for rank in ranks])
+    ctx.progress.step("memory: warm")
     input_bytes = len(png(INPUT_SIDE, seed=0))
     input_key = results.add(SECTION, "input_bytes_per_request", input_bytes, "B")
+    for i, path in enumerate(PATHS):
+        m = _burst(ctx, path, bodies[i * plan.memory_burst:(i + 1) * plan.memory_burst], ranks)
+        _record(ctx, {"path": path}, m, input_key, input_bytes)
+    results.note(
+        SECTION,
+        (
+            f"{plan.memory_burst} concurrent requests per path, each one item of {input_bytes / 1e6:.2f} MB "
+            f"(a {INPUT_SIDE}x{INPUT_SIDE} random PNG's size; base64 in the JSON body) staged as a "
+            f"{EMBEDDING_BYTES / 1e6:.2f} MB embedding by the stand-in encoder, receive_count=2. Through the "
+            "handle, Ray keeps the caller's argument (the whole body) in the store until the call returns, "
+            "which is after the embedding is staged; over HTTP the proxy streams the body to the Ingress."
+        ),
+    )
+
+
+def _record(ctx: Context, labels: dict, m: dict[str, float], input_key: str, input_bytes: int) -> None:
+    results, burst = ctx.results, ctx.plan.memory_burst
+    staged_key = results.add(SECTION, "staged_bytes", m["staged"], "B", labels, n=burst)
+    peak_key = results.add(SECTION, "peak_store_bytes_above_baseline", m["peak"], "B", labels, n=m["samples"])
+    results.add(SECTION, "baseline_store_bytes", m["baseline"], "B", labels)
+    back_key = results.add(SECTION, "return_to_baseline_s", m["back_s"], "s", labels)
+    left_key = results.add(SECTION, "bytes_left_after_release", m["left"], "B", labels)
     ratio = results.ratio(
         SECTION,
         "peak_per_staged_byte",
-        peak,
-        staged_bytes,
+        m["peak"],
+        m["staged"],
         [peak_key, staged_key],
+        labels,
         how="(peak object-store bytes - baseline) / bytes of embeddings staged",
     )
     results.ratio(
         SECTION,
         "extra_peak_per_input_byte",
-        peak - staged_bytes,
-        plan.memory_burst * input_bytes,
+        m["peak"] - m["staged"],
+        burst * input_bytes,
         [peak_key, staged_key, input_key],
+        labels,
         how="(peak above baseline - staged bytes) / input bytes of the burst: copies of the inputs at the peak",
     )
     results.target(
@@ -160,23 +205,16 @@ def run(ctx: Context, app: standin.StandInApp) -> None:
         "<=",
         1.1,
         "peak object-store bytes per staged byte during a burst <= 1.1",
+        labels,
         inputs=[peak_key, staged_key],
     )
     results.target(
         SECTION,
         "returns_to_baseline",
-        1.0 if left <= _RETURN_TOLERANCE else 0.0,
+        1.0 if m["left"] <= _RETURN_TOLERANCE else 0.0,
         "==",
         1.0,
         "object store back to its pre-burst level (within 1 MiB) after every rank fetched and let go",
+        labels,
         inputs=[left_key, back_key],
-    )
-    results.note(
-        SECTION,
-        (
-            f"{plan.memory_burst} concurrent requests through the Python handle, each one item of "
-            f"{input_bytes / 1e6:.2f} MB (a {INPUT_SIDE}x{INPUT_SIDE} random PNG's size) staged as a "
-            f"{EMBEDDING_BYTES / 1e6:.2f} MB embedding by the stand-in encoder, receive_count=2; store sampled by "
-            f"{sampler.samples} raylet readings."
-        ),
     )

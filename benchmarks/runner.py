@@ -88,7 +88,7 @@ def _deploy(ctx: Context, sections: tuple[str, ...]) -> standin.StandInApp | Non
     registry_name = ctx.name("bench_registry")
     if uses_standin:
         app = standin.application(list(staging.STAGING_SIZES), registry_name, ctx.cluster["namespace"])
-        targets.append(RunTarget(app, name=standin.APP, route_prefix=None))
+        targets.append(RunTarget(app, name=standin.APP, route_prefix=f"/{standin.APP}"))
     if "e2e" in sections:
         for model in end_to_end.MODELS:
             app = end_to_end.app_name(model)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from benchmarks import end_to_end, lifecycle, staging, standin
+from benchmarks import end_to_end, lifecycle, memory, staging, standin
 from benchmarks.plan import SIZES, Plan
 from benchmarks.stats import figure_id, size_label
 
@@ -121,19 +121,21 @@ def expected(plan: Plan, sections: tuple[str, ...] = SECTIONS) -> dict[str, list
         ratios.append(figure_id("registry.lifecycles_vs_raw_per_call", top))
         targets += [figure_id("registry.lifecycles_vs_raw_per_call", top), "registry.registry_calls_per_lifecycle"]
     if "memory" in sections:
-        figures += [
-            f"memory.{name}"
-            for name in (
-                "staged_bytes",
-                "peak_store_bytes_above_baseline",
-                "baseline_store_bytes",
-                "return_to_baseline_s",
-                "bytes_left_after_release",
-                "input_bytes_per_request",
-            )
-        ]
-        ratios += ["memory.peak_per_staged_byte", "memory.extra_peak_per_input_byte"]
-        targets += ["memory.peak_per_staged_byte", "memory.returns_to_baseline"]
+        figures.append("memory.input_bytes_per_request")
+        for path in memory.PATHS:
+            lab = {"path": path}
+            figures += [
+                figure_id(f"memory.{name}", lab)
+                for name in (
+                    "staged_bytes",
+                    "peak_store_bytes_above_baseline",
+                    "baseline_store_bytes",
+                    "return_to_baseline_s",
+                    "bytes_left_after_release",
+                )
+            ]
+            ratios += [figure_id(f"memory.{name}", lab) for name in ("peak_per_staged_byte", "extra_peak_per_input_byte")]
+            targets += [figure_id(f"memory.{name}", lab) for name in ("peak_per_staged_byte", "returns_to_baseline")]
     if "e2e" in sections:
         for model in end_to_end.MODELS:
             lab = {"model": model}

@@ -34,6 +34,7 @@ from ray import serve
 from benchmarks.probes import fresh_copy
 from deployments.encoder import Encoder as _EncoderDeployment
 from encoder import EncodedItem, PreparedItem, VisionEncoder
+from registry import media_input
 
 IDENTITY = "standin:bf16:v1"
 APP = "bench-standin"
@@ -139,7 +140,7 @@ class StandInApp:
         """Submit one stand-in item of ``nbytes``; (req_id, seconds until the call returned)."""
         req_id = uuid.uuid4().hex
         start = time.perf_counter()
-        ray.get(self.registry.submit.remote(req_id, [media(nbytes, req_id)], req_id, receive_count, wait))
+        ray.get(self.registry.submit.remote(req_id, [media_input(media(nbytes, req_id))], req_id, receive_count, wait))
         return req_id, time.perf_counter() - start
 
     def cancel(self, req_id: str) -> None:
@@ -147,7 +148,7 @@ class StandInApp:
 
 
 def application(sizes: list[int], registry_name: str, namespace: str) -> Any:
-    """The real ``Ingress`` in front of the stand-in: deploy it under ``APP`` (no HTTP route needed).
+    """The real ``Ingress`` in front of the stand-in: deploy it under ``APP`` (HTTP under ``/APP``).
 
     The Ingress creates the registry, as the real app does; only its encoder is the
     stand-in, and the content-hash cache is off (every item is new).

@@ -1,8 +1,10 @@
 """The ``Ingress`` deployment: the HTTP API (FastAPI, OpenAPI at ``/docs``) and the Python handle.
 
 ``serve.get_app_handle("epd").encode.remote(body)`` and ``POST /v1/encode`` run
-the same code: validate, unwrap the media bytes, hand them to the registry actor
-(which calls the encoder and owns the results), answer with the entry.
+the same code: validate, unwrap the media bytes, hash them and store each large
+item once in the object store (``registry.inputs``), hand the refs to the
+registry actor (which calls the encoder and owns the results), answer with the
+entry.
 
 Errors: every failure is a ``RegistryError``; HTTP clients get
 ``{"error": {"code", "message", "req_id"?}}`` with the status from
@@ -34,8 +36,8 @@ from deployments.schemas import (
     describe_validation_error,
     parse_encode_request,
 )
-from encoder import Media, MediaError, content_hash, item_media
-from registry import get_or_create_registry
+from encoder import MediaError, item_media
+from registry import MediaInput, get_or_create_registry, media_input
 from registry.errors import (
     HTTP_STATUS,
     InvalidRequest,
@@ -165,18 +167,22 @@ class Ingress:
                 f"{len(request.items)} items in one request; the limit is {cfg.max_items_per_request}", req_id
             )
 
-        async def unwrap_item(index: int, item: Any) -> Media:
+        def prepare(item: dict[str, Any]) -> MediaInput:
+            return media_input(item_media(item, self._media_policy, cfg.max_video_frames))
+
+        async def unwrap_item(index: int, item: Any) -> MediaInput:
             try:
-                # Threads: decoding base64 and fetching URLs block, and items of a request go in parallel.
-                return await asyncio.to_thread(item_media, item.model_dump(), self._media_policy, cfg.max_video_frames)
+                # Threads: decoding base64, hashing and fetching URLs block, and items of a
+                # request go in parallel.
+                return await asyncio.to_thread(prepare, item.model_dump())
             except MediaError as exc:
                 raise InvalidRequest(f"items[{index}]: {exc}", req_id) from None
 
-        blobs = await asyncio.gather(*(unwrap_item(i, item) for i, item in enumerate(request.items)))
+        inputs = await asyncio.gather(*(unwrap_item(i, item) for i, item in enumerate(request.items)))
         digest = hashlib.sha256()
-        for media in blobs:  # what a retry must repeat to join this request: every item's content
-            digest.update(content_hash(media, "request").encode())
-        return await self._call("submit", req_id, list(blobs), digest.hexdigest(), request.receive_count, request.wait)
+        for item in inputs:  # what a retry must repeat to join this request: every item's content
+            digest.update(item.digest.encode())
+        return await self._call("submit", req_id, list(inputs), digest.hexdigest(), request.receive_count, request.wait)
 
     # --- HTTP ---------------------------------------------------------------------
 

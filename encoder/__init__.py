@@ -1,6 +1,6 @@
 """Model loading, preprocessing and the forward pass. Imports no Ray."""
 
-from encoder.base import VisionEncoder, content_hash
+from encoder.base import VisionEncoder, content_hash, media_digest, mm_hash
 from encoder.loader import FAMILIES, EncoderSpec, build_encoder, resolve_device
 from encoder.fetch import MediaPolicy
 from encoder.items import item_media
@@ -21,6 +21,8 @@ __all__ = [
     "build_encoder",
     "content_hash",
     "item_media",
+    "media_digest",
+    "mm_hash",
     "payload_to_tensor",
     "resolve_device",
     "tensor_to_payload",

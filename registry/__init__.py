@@ -2,6 +2,7 @@
 
 from registry import errors
 from registry.errors import RegistryError
+from registry.inputs import MediaInput, media_input
 from registry.lookup import get_or_create_registry, lookup_registry
 from registry.receiver import EmbeddingReceiver, ReceivedItem
 from registry.settings import DEFAULT_REGISTRY_NAME, DEFAULT_REGISTRY_NAMESPACE, RegistrySettings
@@ -12,6 +13,7 @@ __all__ = [
     "DEFAULT_REGISTRY_NAMESPACE",
     "EmbeddingReceiver",
     "Limits",
+    "MediaInput",
     "ReceivedItem",
     "RegistryError",
     "RegistrySettings",
@@ -19,4 +21,5 @@ __all__ = [
     "errors",
     "get_or_create_registry",
     "lookup_registry",
+    "media_input",
 ]

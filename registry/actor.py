@@ -27,9 +27,9 @@ from typing import Any
 
 import ray
 
-from encoder.types import Media
 from registry.encoding import EncoderClient
 from registry.errors import InvalidRequest, NotReady, RegistryError, Unavailable
+from registry.inputs import MediaInput
 from registry.metrics import RegistryMetrics
 from registry.settings import RegistrySettings
 from registry.state import PENDING, RELEASED, STAGED, Entry, Limits, RegistryState, StagedItem, ended_error
@@ -118,14 +118,18 @@ class EmbeddingRegistry:
     # --- ingress ------------------------------------------------------------------
 
     async def submit(
-        self, req_id: str, items: list[Media], digest: str, receive_count: int | None, wait: bool
+        self, req_id: str, items: list[MediaInput], digest: str, receive_count: int | None, wait: bool
     ) -> dict[str, Any]:
         """Accept an encode (or join the live one with this req_id) and return its description.
 
         With ``wait`` it returns once the entry left ``pending``; a failed, cancelled
-        or expired outcome raises that error.
+        or expired outcome raises that error. ``items`` are ``registry.media_input(bytes)``.
         """
         self._ensure_background_tasks()
+        if not isinstance(items, list) or not all(isinstance(item, MediaInput) for item in items):
+            error = InvalidRequest("submit takes a list of MediaInput; build each with registry.media_input(data)", req_id)
+            self._count_error(error)
+            raise error
         count = self._settings.default_receive_count if receive_count is None else receive_count
         try:
             entry, created = self._state.accept(req_id, digest, count, time.time())
@@ -265,7 +269,7 @@ class EmbeddingRegistry:
 
     # --- encoding -----------------------------------------------------------------
 
-    async def _run_encode(self, entry: Entry, items: list[Media]) -> None:
+    async def _run_encode(self, entry: Entry, items: list[MediaInput]) -> None:
         req_id = entry.req_id
         staged: list[StagedItem] = []
         error: RegistryError | None = None

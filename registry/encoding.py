@@ -1,7 +1,9 @@
 """How the registry gets an item encoded: cache, in-flight sharing, then one Encoder call.
 
-For each item the registry computes its ``mm_hash`` (the item bytes plus the
-serving model's identity, the same hash the encoder reports) and, in order:
+For each item (a ``MediaInput``: the bytes' digest, and the bytes or a ref to
+them, which this process never reads) the registry computes its ``mm_hash`` (the
+digest under the serving model's identity, the same hash the encoder computes
+from the bytes and reports) and, in order:
 
 1. a cache hit hands back the staged item already held (no model run, no copy);
 2. an identical item being encoded right now is awaited, not encoded again
@@ -22,13 +24,13 @@ import dataclasses
 from typing import Any
 
 from ray import serve
-from ray.exceptions import RayActorError
+from ray.exceptions import ObjectLostError, RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RayServeException
 
-from encoder.base import content_hash
-from encoder.types import Media
+from encoder.base import mm_hash
 from registry.cache import EncoderCache
 from registry.errors import EncodeFailed, Overloaded, RegistryError, Unavailable, unwrap
+from registry.inputs import MediaInput
 from registry.state import StagedItem
 
 # How many times an item is sent again when the replica encoding it dies. One: a
@@ -49,6 +51,11 @@ def encode_error(exc: BaseException, req_id: str, index: int) -> RegistryError:
         return Unavailable(
             f"items[{index}]: the encoder replica died while encoding it, and so did the retry's; "
             "retry the request shortly", req_id,
+        )
+    if isinstance(exc, ObjectLostError):  # the input's owner (the caller's ingress replica) died
+        return Unavailable(
+            f"items[{index}]: the input bytes were lost before the encoder read them (the process "
+            "that stored them died); retry the request", req_id,
         )
     return EncodeFailed(f"items[{index}]: {type(exc).__name__}: {exc}", req_id)
 
@@ -76,10 +83,10 @@ class EncoderClient:
         self.cache.max_bytes = cache_max_bytes
         self._identity = None  # a (re)deploy may have changed the model: ask again
 
-    async def encode(self, req_id: str, index: int, data: Media) -> StagedItem:
-        """The staged item for ``data``; raises a ``RegistryError`` naming ``req_id`` and ``index``."""
+    async def encode(self, req_id: str, index: int, item: MediaInput) -> StagedItem:
+        """The staged item for ``item``; raises a ``RegistryError`` naming ``req_id`` and ``index``."""
         try:
-            key = content_hash(data, await self._model_identity())
+            key = mm_hash(item.digest, await self._model_identity())
         except Exception as exc:  # noqa: BLE001
             raise encode_error(exc, req_id, index) from None
         cached = self.cache.get(key) if self.cache.max_bytes > 0 else None
@@ -87,7 +94,7 @@ class EncoderClient:
             return cached
         shared = self._inflight.get(key)
         if shared is None:
-            shared = self._inflight[key] = _Shared(asyncio.create_task(self._call(key, data)))
+            shared = self._inflight[key] = _Shared(asyncio.create_task(self._call(key, item.payload)))
             shared.task.add_done_callback(lambda _: self._inflight.pop(key, None))
         else:
             self.joined += 1
@@ -112,10 +119,11 @@ class EncoderClient:
             "item_encodes_in_flight": len(self._inflight),
         }
 
-    async def _call(self, key: str, data: Media) -> StagedItem:
+    async def _call(self, key: str, payload: Any) -> StagedItem:
         handle = await self._deployment()
         for attempt in range(1 + REPLICA_DEATH_RETRIES):
-            response = handle.encode.remote(data)
+            # A ref as a top-level argument: Ray resolves it in the replica, not here.
+            response = handle.encode.remote(payload)
             ref = None
             try:
                 ref = await response._to_object_ref()

@@ -77,8 +77,10 @@ def test_every_figure_of_the_issue_is_present_and_numeric(quick_run):
         assert value("e2e.inprocess_forward_images_per_s", model=model) > 0
         for path in ("handle", "http"):
             assert value("e2e.saturated_images_per_s", model=model, path=path) > 0
-    assert value("memory.peak_store_bytes_above_baseline") > 0 and value("memory.staged_bytes") > 0  # 5.
-    value("memory.bytes_left_after_release")
+    for path in ("handle", "http"):  # 5. per path
+        assert value("memory.peak_store_bytes_above_baseline", path=path) > 0
+        assert value("memory.staged_bytes", path=path) > 0
+        value("memory.bytes_left_after_release", path=path)
     for f in figures.values():  # distributions carry their percentiles and sample counts
         if "stats" in f:
             assert f["stats"]["n"] >= 1 and f["stats"]["p99"] >= f["stats"]["p50"] == f["value"]

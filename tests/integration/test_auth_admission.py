@@ -7,7 +7,7 @@ import pytest
 import ray
 from ray import serve
 
-from registry import Limits, RegistrySettings, get_or_create_registry
+from registry import Limits, RegistrySettings, get_or_create_registry, media_input
 from registry.errors import Overloaded
 from support import image_bytes, image_item
 
@@ -40,13 +40,13 @@ def test_staged_bytes_limit_refuses_new_requests_with_overloaded(cluster):
     try:
         images = [image_bytes(224, 224, seed=s) for s in (112, 113, 114)]
         digest = [hashlib.sha256(d).hexdigest() for d in images]
-        ray.get(registry.submit.remote("adm-1", [images[0]], digest[0], 1, True))
-        ray.get(registry.submit.remote("adm-2", [images[1]], digest[1], 1, True))  # 200 KB < 300 KB: admitted
+        ray.get(registry.submit.remote("adm-1", [media_input(images[0])], digest[0], 1, True))
+        ray.get(registry.submit.remote("adm-2", [media_input(images[1])], digest[1], 1, True))  # 200 KB < 300 KB: admitted
         with pytest.raises(Overloaded) as info:
-            ray.get(registry.submit.remote("adm-3", [images[2]], digest[2], 1, True))
+            ray.get(registry.submit.remote("adm-3", [media_input(images[2])], digest[2], 1, True))
         assert info.value.code == "overloaded" and "max_staged_bytes" in info.value.message
         # A retry of an admitted request is still answered.
-        assert ray.get(registry.submit.remote("adm-1", [images[0]], digest[0], 1, True))["state"] == "staged"
+        assert ray.get(registry.submit.remote("adm-1", [media_input(images[0])], digest[0], 1, True))["state"] == "staged"
         stats = ray.get(registry.stats.remote())
         assert stats["staged"] == 2 and stats["max_staged_bytes"] == 300 * 1024
     finally:

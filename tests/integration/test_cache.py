@@ -7,7 +7,7 @@ import pytest
 import ray
 from ray import serve
 
-from registry import EmbeddingReceiver, RegistrySettings, get_or_create_registry
+from registry import EmbeddingReceiver, RegistrySettings, get_or_create_registry, media_input
 from support import MODEL_SPEC, image_bytes, reference_embedding, wait_until
 
 NAMESPACE = "epd-tests"
@@ -45,8 +45,9 @@ def test_repeated_image_is_encoded_once_and_shared(cluster, cached_registry):
     image, other = image_bytes(224, 224, seed=61), image_bytes(160, 160, seed=62)
     before = _items_encoded()
     # The same image twice in one request, then again in another request: one model run.
-    first = ray.get(registry.submit.remote("c-1", [image, image, other], _digest(image, image, other), 1, True))
-    second = ray.get(registry.submit.remote("c-2", [image], _digest(image), 1, True))
+    items = [media_input(image), media_input(image), media_input(other)]
+    first = ray.get(registry.submit.remote("c-1", items, _digest(image, image, other), 1, True))
+    second = ray.get(registry.submit.remote("c-2", [media_input(image)], _digest(image), 1, True))
     assert _items_encoded() - before == 2
     assert first["items"][0]["mm_hash"] == first["items"][1]["mm_hash"] == second["items"][0]["mm_hash"]
     stats = ray.get(registry.stats.remote())
@@ -70,14 +71,14 @@ def test_repeated_image_is_encoded_once_and_shared(cluster, cached_registry):
 def test_eviction_never_breaks_an_entry_that_holds_the_item(cluster, cached_registry):
     registry, settings = cached_registry  # room for one 224x224 embedding (200 KB), not two
     a, b = image_bytes(224, 224, seed=63), image_bytes(224, 224, seed=64)
-    ray.get(registry.submit.remote("e-a", [a], _digest(a), 1, True))
-    ray.get(registry.submit.remote("e-b", [b], _digest(b), 1, True))  # evicts a's embedding from the cache
+    ray.get(registry.submit.remote("e-a", [media_input(a)], _digest(a), 1, True))
+    ray.get(registry.submit.remote("e-b", [media_input(b)], _digest(b), 1, True))  # evicts a's embedding from the cache
     stats = ray.get(registry.stats.remote())
     assert stats["cache_evictions_total"] == 1 and stats["cache_items"] == 1 and stats["cache_bytes"] <= 300 * 1024
     # Entry e-a still holds a's object: the rank gets the right bytes.
     assert _fetch(settings, "e-a") == [reference_embedding(a, **MODEL_SPEC).tobytes()]
     before = _items_encoded()
-    ray.get(registry.submit.remote("e-a2", [a], _digest(a), 1, True))  # evicted, so encoded again
+    ray.get(registry.submit.remote("e-a2", [media_input(a)], _digest(a), 1, True))  # evicted, so encoded again
     assert _items_encoded() - before == 1
     _fetch(settings, "e-b")
     _fetch(settings, "e-a2")

@@ -13,6 +13,7 @@ from registry.errors import HTTP_STATUS, RegistryError, unwrap
 from support import image_bytes, image_item, registry_stats
 
 PNG = image_bytes(64, 64, seed=31)
+BIG_PNG = image_bytes(256, 256, seed=32)  # over 100 KB: the Ingress stores it in the object store
 B64 = base64.b64encode(PNG).decode()
 
 
@@ -38,6 +39,8 @@ CASES = [
     ("not base64", "POST", "/v1/encode", {"json": {"items": [{"type": "image", "image": "%%%"}]}}, 422, "invalid_request", "items[0]"),
     ("not an image", "POST", "/v1/encode", {"json": {"items": [{"type": "image", "image": base64.b64encode(b"hello").decode()}]}}, 422, "invalid_request", "items[0]"),
     ("truncated image", "POST", "/v1/encode", {"json": {"items": [image_item(PNG), image_item(PNG[:300])]}}, 422, "invalid_request", "items[1]"),
+    ("stored image, then a bad one", "POST", "/v1/encode", {"json": {"items": [image_item(BIG_PNG), {"type": "image", "image": "%%%"}]}}, 422, "invalid_request", "items[1]"),
+    ("stored image, then a truncated one", "POST", "/v1/encode", {"json": {"items": [image_item(BIG_PNG), image_item(PNG[:300])]}}, 422, "invalid_request", "items[1]"),
     ("image too small", "POST", "/v1/encode", {"json": {"items": [image_item(image_bytes(8, 8))]}}, 422, "invalid_request", "at least 16"),
     ("too many items", "POST", "/v1/encode", {"json": {"items": [image_item(PNG)] * 17}}, 422, "invalid_request", "limit is 16"),
     ("item over max_item_bytes", "POST", "/v1/encode", {"json": {"items": [{"type": "image", "image": base64.b64encode(b"x" * (2 * 1024 * 1024 + 1)).decode()}]}}, 422, "invalid_request", "the limit is"),

@@ -10,7 +10,7 @@ import pytest
 import ray
 from ray import serve
 
-from registry import EmbeddingReceiver, Limits, RegistrySettings, get_or_create_registry
+from registry import EmbeddingReceiver, Limits, RegistrySettings, get_or_create_registry, media_input
 from registry.errors import Expired, Unavailable
 from support import MODEL_SPEC, image_bytes, image_item, reference_embedding, wait_until
 
@@ -62,7 +62,7 @@ def test_entry_not_fully_received_within_ttl_expires_and_frees_memory(cluster):
     registry = get_or_create_registry(settings)
     try:
         data = image_bytes(224, 224, seed=23)
-        out = ray.get(registry.submit.remote("ttl-1", [data], "digest-ttl-1", 2, True))
+        out = ray.get(registry.submit.remote("ttl-1", [media_input(data)], "digest-ttl-1", 2, True))
         assert out["state"] == "staged"
         rank0 = EmbeddingReceiver(0, registry_name=settings.name, registry_namespace=settings.namespace)
         rank1 = EmbeddingReceiver(1, registry_name=settings.name, registry_namespace=settings.namespace)
@@ -88,7 +88,7 @@ def test_registry_crash_restarts_and_lost_entries_fail_fast(cluster):
     receiver = EmbeddingReceiver(0, registry_name=settings.name, registry_namespace=settings.namespace)
     try:
         data = image_bytes(224, 224, seed=24)
-        assert ray.get(registry.submit.remote("crash-1", [data], "d1", 2, True))["state"] == "staged"
+        assert ray.get(registry.submit.remote("crash-1", [media_input(data)], "d1", 2, True))["state"] == "staged"
         pid = ray.get(registry.ping.remote())["pid"]
         ray.kill(registry, no_restart=False)  # a crash: Ray restarts it (max_restarts=-1), empty
         restarted = wait_until(lambda: _ping_pid(registry) not in (None, pid), 30, what="the registry to restart")
@@ -104,7 +104,7 @@ def test_registry_crash_restarts_and_lost_entries_fail_fast(cluster):
         async def early_fetch_then_encode():
             fetch = asyncio.ensure_future(receiver.fetch_async("crash-2", timeout_s=30))
             await asyncio.sleep(0.5)
-            await registry.submit.remote("crash-2", [data], "d2", 1, True)
+            await registry.submit.remote("crash-2", [media_input(data)], "d2", 1, True)
             return await fetch
 
         items = asyncio.run(early_fetch_then_encode())

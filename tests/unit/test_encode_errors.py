@@ -38,3 +38,13 @@ def test_a_replica_dying_again_on_the_retry_is_retryable_unavailable():
     err = _encode_error(ActorDiedError(), "r1", 2)
     assert isinstance(err, Unavailable) and http_status(err) == 503
     assert err.message.startswith("items[2]: the encoder replica died") and "retry" in err.message
+
+
+def test_an_input_lost_with_its_owner_is_retryable_unavailable():
+    from ray.exceptions import OwnerDiedError
+
+    from registry.errors import Unavailable, http_status
+
+    err = _encode_error(OwnerDiedError("ab" * 28, None, ""), "r1", 0)  # raised as is by the awaited ref
+    assert isinstance(err, Unavailable) and http_status(err) == 503
+    assert err.message.startswith("items[0]: the input bytes were lost") and "retry" in err.message

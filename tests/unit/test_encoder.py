@@ -50,6 +50,16 @@ def test_mm_hash_depends_on_bytes_and_model(enc):
     assert other.preprocess(a).mm_hash != enc.preprocess(a).mm_hash
 
 
+def test_registry_side_mm_hash_from_the_callers_digest_equals_the_encoders(enc):
+    from encoder import Video, media_digest, mm_hash
+
+    a = image_bytes(64, 64, seed=1)
+    assert mm_hash(media_digest(a), enc.identity) == enc.preprocess(a).mm_hash
+    # Frame boundaries count: the same bytes split differently are another video.
+    assert media_digest(Video((b"ab", b"c"))) != media_digest(Video((b"a", b"bc")))
+    assert media_digest(Video((a,))) != media_digest(a)
+
+
 def test_bfloat16_payload_roundtrip_is_exact_and_zero_copy():
     enc16 = build_encoder(EncoderSpec(family="tiny-vit", dtype="bfloat16"))
     item = enc16.encode_batch([enc16.preprocess(image_bytes(64, 48))])[0]

@@ -1,0 +1,60 @@
+"""``MediaInput``: how an item's bytes reach the registry, which passes them on unread.
+
+The registry never looks inside the media: it needs the item's digest (for the
+``mm_hash`` under which embeddings are cached and shared) and something to hand
+to the encoder. So the caller (the ingress) hashes the bytes once and, for an
+item larger than Ray inlines in a call, stores them once with ``ray.put`` and
+passes the ``ObjectRef``. The registry borrows that ref and passes it to the
+encoder replica as a top-level argument, which Ray resolves there. The bytes are
+then in the object store once while the request is in flight, instead of once
+per hop (caller -> registry -> encoder), and the registry's process never
+copies them.
+
+Small items travel inline (``data``): a call's arguments of 100 KB or less ride
+in the call itself, so a ref would only add an object and its bookkeeping.
+
+The ref is owned by the process that built the ``MediaInput`` (the ingress
+replica serving the request). If that process dies before the encoder read the
+bytes, the encode fails with ``unavailable`` and the client, whose connection
+went with it, retries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import ray
+
+from encoder.base import media_digest
+from encoder.types import Media, Video
+
+# Ray sends call arguments up to this size inside the call (its
+# max_direct_call_object_size default); larger ones go through the object store.
+INLINE_MAX_BYTES = 100 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class MediaInput:
+    digest: str  # encoder.base.media_digest of the bytes: the mm_hash without the model
+    nbytes: int
+    data: Media | None = None  # the bytes themselves, for small items
+    ref: Any = None  # ray.ObjectRef of the bytes, for the others
+
+    @property
+    def payload(self) -> Any:
+        """What the encoder call takes: the bytes, or the ref Ray resolves to them."""
+        return self.ref if self.ref is not None else self.data
+
+
+def media_nbytes(media: Media) -> int:
+    return sum(len(f) for f in media.frames) if isinstance(media, Video) else len(media)
+
+
+def media_input(media: Media, inline_max_bytes: int = INLINE_MAX_BYTES) -> MediaInput:
+    """Hash ``media`` and, if it is larger than ``inline_max_bytes``, store it once (``ray.put``)."""
+    nbytes = media_nbytes(media)
+    digest = media_digest(media)
+    if nbytes <= inline_max_bytes:
+        return MediaInput(digest, nbytes, data=media)
+    return MediaInput(digest, nbytes, ref=ray.put(media))
