@@ -3,7 +3,7 @@
 The benchmark never joins a cluster it did not start (``address="local"``, and
 ``RAY_ADDRESS`` is ignored), runs in a namespace of its own, names its registry
 actors after a per-run token, and at the end shuts down exactly what it started
-(``serve.shutdown()``, ``ray.shutdown()``). It never runs ``ray stop``, which
+(``ray.shutdown()`` of the cluster it started). It never runs ``ray stop``, which
 would kill every Ray process on the machine.
 
 Workers import ``benchmarks`` and the project's packages from the repository
@@ -80,8 +80,8 @@ def local_cluster(namespace: str, preallocate: bool = False) -> Iterator[dict[st
             "preallocate_plasma_memory": preallocate,
         }
     finally:
-        with contextlib.suppress(Exception):
-            serve.shutdown()
+        # No serve.shutdown(): it stops every replica gracefully, one by one (seconds), and
+        # ray.shutdown() ends this cluster's every process anyway, since this driver started it.
         ray.shutdown()
         if preallocate:
             os.environ.pop("RAY_preallocate_plasma_memory", None)

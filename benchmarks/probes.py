@@ -28,7 +28,6 @@ from typing import Any
 
 import numpy as np
 import ray
-import torch
 import zmq
 
 
@@ -103,6 +102,9 @@ class Peer:
 @ray.remote(num_cpus=0)
 class RankProbe:
     def __init__(self, rank: int, sizes: list[int]):
+        # torch now, not inside the first timed fetch (the module leaves it out for Peer's sake).
+        import torch  # noqa: F401
+
         self.rank = rank
         self._receiver: Any = None
         self._src = {n: np.ones(n, dtype=np.uint8) for n in sizes}
@@ -120,6 +122,8 @@ class RankProbe:
 
     def fetch(self, req_id: str) -> dict[str, Any]:
         """Time ``EmbeddingReceiver.fetch`` to a usable tensor; check dtype and zero-copy."""
+        import torch
+
         start = time.perf_counter()
         items = self._receiver.fetch(req_id, timeout_s=60.0)
         tensor = items[0].tensor
@@ -186,6 +190,8 @@ class RankProbe:
 
     def zmq_fetch(self, nbytes: int) -> dict[str, Any]:
         """Ask for ``nbytes`` over ZMQ and time until they are a bfloat16 tensor."""
+        import torch
+
         assert self._zmq is not None, "connect_zmq first"
         requests, data = self._zmq
         start = time.perf_counter()

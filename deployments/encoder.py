@@ -17,12 +17,11 @@ import os
 import time
 from typing import Any
 
-import torch
 from ray import serve
 from ray.serve import metrics
 
 from deployments.config import BatchConfig, ModelConfig
-from encoder import EncodedItem, Media, MediaError, PreparedItem, Video, build_encoder
+from encoder import EncodedItem, Media, MediaError, PreparedItem, Video
 from registry.errors import InvalidRequest
 
 _FORWARD_BOUNDARIES_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5]
@@ -44,6 +43,8 @@ _BATCH_BOUNDARIES = [1, 2, 4, 8, 16, 32, 64, 128]
 class Encoder:
     def __init__(self, model: dict[str, Any] | None = None):
         self._config = ModelConfig.model_validate(model or {})
+        from encoder import build_encoder  # imports torch: here, not where the Ingress imports this module
+
         self._encoder = build_encoder(self._config.to_spec())
         self._items = 0
         self._batches = 0
@@ -90,6 +91,8 @@ class Encoder:
 
     async def ready(self) -> dict[str, Any]:
         """The model is loaded (the constructor finished); what runs where."""
+        import torch  # loaded already, by the model; a module-level import would load it in the Ingress too
+
         return {
             "family": self._config.family,
             "device": str(self._encoder.device),

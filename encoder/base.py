@@ -18,39 +18,14 @@ tensors into ``EncodedItem``s. New families add a subclass and an entry in
 from __future__ import annotations
 
 import abc
-import hashlib
 from collections import defaultdict
 from typing import Sequence
 
 import torch
 
+from encoder.hashing import content_hash
 from encoder.media import MediaError
 from encoder.types import EncodedItem, Media, PreparedItem, Video
-
-
-def media_digest(media: Media) -> str:
-    """The digest of an item's bytes alone (no model): what callers compute once and
-    hand on, so that nothing downstream has to read the bytes to hash them."""
-    if isinstance(media, Video):
-        digest = hashlib.blake2b(b"video", digest_size=16, person=b"epd-media")
-        for frame in media.frames:  # length-prefixed, so frame boundaries count
-            digest.update(len(frame).to_bytes(8, "little"))
-            digest.update(frame)
-    else:
-        digest = hashlib.blake2b(media, digest_size=16, person=b"epd-media")
-    return digest.hexdigest()
-
-
-def mm_hash(digest: str, identity: str) -> str:
-    """``mm_hash`` from a ``media_digest`` and a model identity."""
-    return hashlib.blake2b(f"{digest}:{identity}".encode(), digest_size=16, person=b"epd-mm-hash").hexdigest()
-
-
-def content_hash(media: Media, identity: str) -> str:
-    """``mm_hash``: the item's bytes under a model identity. The registry computes it
-    too (from the caller's digest and the identity the encoder reports) to find cached
-    embeddings."""
-    return mm_hash(media_digest(media), identity)
 
 
 class VisionEncoder(abc.ABC):

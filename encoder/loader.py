@@ -2,8 +2,9 @@
 
 The serving layer validates user config (pydantic, at the edge) and hands this
 module an ``EncoderSpec``. Families are looked up by name so a new one is one
-entry in ``_FAMILIES``; the ``transformers``-based ones are imported only when
-asked for (importing ``transformers`` takes seconds).
+entry in ``_FAMILIES`` and its name in ``encoder.spec.FAMILIES``; the
+``transformers``-based ones are imported only when asked for (importing
+``transformers`` takes seconds).
 """
 
 from __future__ import annotations
@@ -15,19 +16,9 @@ from typing import Any, Callable
 import torch
 
 from encoder.base import VisionEncoder
+from encoder.spec import FAMILIES, EncoderSpec
 from encoder.tiny_vit import TinyViTConfig, TinyViTEncoder
 from encoder.types import torch_dtype
-
-
-@dataclasses.dataclass(frozen=True)
-class EncoderSpec:
-    """Which model to build and where. ``options`` are family-specific settings."""
-
-    family: str = "qwen2_5_vl"
-    path: str | None = None  # a local Hugging Face model directory; None: the family's tiny seeded model
-    dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 on CPU
-    device: str = "auto"  # "auto": CUDA when torch sees a GPU, else CPU
-    options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def resolve_device(requested: str) -> torch.device:
@@ -86,7 +77,6 @@ _FAMILIES: dict[str, Callable[[EncoderSpec, torch.device, torch.dtype], VisionEn
     "siglip": _llava,
 }
 
-FAMILIES = tuple(_FAMILIES)
 
 
 def build_encoder(spec: EncoderSpec) -> VisionEncoder:

@@ -6,22 +6,28 @@ Numpy is the transport on purpose: Ray stores numpy buffers out of band and a
 same-node ``ray.get`` maps them without a copy, while a ``torch.Tensor`` would be
 copied on every read. bfloat16 has no numpy dtype, so its bits travel as int16
 and are viewed back as bfloat16 on the receiving side (a view, not a copy).
+
+torch is imported only by the functions that need it: the ingress and the
+registry handle these types (media, staged items' metadata) and never a tensor,
+and importing torch would cost each of their processes seconds and memory.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
-# torch dtype name -> (torch dtype, numpy dtype carrying the same bits)
-_CODEC: dict[str, tuple[torch.dtype, np.dtype]] = {
-    "float32": (torch.float32, np.dtype(np.float32)),
-    "float16": (torch.float16, np.dtype(np.float16)),
-    "bfloat16": (torch.bfloat16, np.dtype(np.int16)),
+if TYPE_CHECKING:
+    import torch
+
+# wire name (the torch dtype's name) -> numpy dtype carrying the same bits
+_CODEC: dict[str, np.dtype] = {
+    "float32": np.dtype(np.float32),
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(np.int16),
 }
 
 DTYPES = tuple(_CODEC)
@@ -37,10 +43,11 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype for a wire name (``"bfloat16"`` -> ``torch.bfloat16``)."""
-    try:
-        return _CODEC[name][0]
-    except KeyError:
-        raise ValueError(f"unsupported embedding dtype {name!r}; use one of {DTYPES}") from None
+    import torch
+
+    if name not in _CODEC:
+        raise ValueError(f"unsupported embedding dtype {name!r}; use one of {DTYPES}")
+    return getattr(torch, name)
 
 
 def tensor_to_payload(tensor: torch.Tensor) -> np.ndarray:
@@ -49,6 +56,8 @@ def tensor_to_payload(tensor: torch.Tensor) -> np.ndarray:
     This is the one host copy of an embedding (device -> host, or none on CPU
     when the tensor is already contiguous). Same-dtype views keep bfloat16 exact.
     """
+    import torch
+
     name = dtype_name(tensor.dtype)
     host = tensor.detach().contiguous().cpu()
     if name == "bfloat16":
@@ -63,10 +72,10 @@ def payload_to_tensor(payload: np.ndarray, dtype: str) -> torch.Tensor:
     read-only, so it warns. The warning is silenced here and the contract is
     documented instead: received tensors must not be written in place.
     """
-    want_torch, want_np = _CODEC[dtype] if dtype in _CODEC else (None, None)
-    if want_torch is None:
-        raise ValueError(f"unsupported embedding dtype {dtype!r}; use one of {DTYPES}")
-    if payload.dtype != want_np:
+    import torch
+
+    want_torch = torch_dtype(dtype)
+    if payload.dtype != _CODEC[dtype]:
         raise ValueError(f"payload dtype {payload.dtype} does not carry {dtype}")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")

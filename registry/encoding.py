@@ -27,7 +27,7 @@ from ray import serve
 from ray.exceptions import ObjectLostError, RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RayServeException
 
-from encoder.base import mm_hash
+from encoder.hashing import mm_hash
 from registry.cache import EncoderCache
 from registry.errors import EncodeFailed, Overloaded, RegistryError, Unavailable, unwrap
 from registry.inputs import MediaInput

@@ -26,7 +26,7 @@ from typing import Any
 
 import ray
 
-from encoder.base import media_digest
+from encoder.hashing import media_digest
 from encoder.types import Media, Video
 
 # Ray sends call arguments up to this size inside the call (its

@@ -18,15 +18,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
-import torch
 from ray import exceptions as ray_exc
 
 from encoder.types import EncodedItem
 from registry.errors import NotReady, RegistryError, Unavailable, unwrap
 from registry.lookup import lookup_registry
+
+if TYPE_CHECKING:  # torch loads when the first tensor is made (encoder.types): see its docstring
+    import torch
 
 # Extra seconds on top of the registry's own timeout before giving up on the call.
 _CALL_GRACE_S = 10.0
