@@ -13,7 +13,11 @@ registry, not a model, is measured. The rate is lifecycles / the time until ever
 rank has fetched every request.
 
 The raw rate is the driver making ``await noop.ping.remote()`` calls to an async
-actor at the same concurrency. Registry calls per lifecycle are *counted*, not
+actor at the same concurrency. Beside it, for the diagnosis (not the target):
+``serve_calls_per_s``, the pipelined rate of no-op Serve handle calls to the
+stand-in encoder made from an async actor's loop, as the registry makes its one
+encoder call per lifecycle; ``lifecycles_vs_raw_with_serve_call`` compares the
+lifecycle rate with what that many actor calls plus one Serve call allow. Registry calls per lifecycle are *counted*, not
 assumed: the registry process's executed-task counter (read from its raylet)
 before and after the timed lifecycles. Polling would show as more calls than
 ``receive_count + 1``.
@@ -142,6 +146,8 @@ def run(ctx: Context, app: standin.StandInApp) -> None:
                     {"concurrency": top, "process": role},
                     n=plan.lifecycles,
                 )
+    serve_rate = ray.get(noop.serve_calls_per_s.remote(standin.APP, "Encoder", plan.raw_calls, top))
+    serve_key = results.add(SECTION, "serve_calls_per_s", serve_rate, "1/s", {"concurrency": top}, n=plan.raw_calls)
     calls = max(calls_per)
     total = len(calls_per) * plan.lifecycles
     calls_key = results.add(SECTION, "registry_calls_per_lifecycle", calls, "calls", n=total)
@@ -155,6 +161,17 @@ def run(ctx: Context, app: standin.StandInApp) -> None:
         [life_keys[top], raw_keys[top], calls_key],
         {"concurrency": top},
         how="lifecycles/s x registry calls per lifecycle / raw no-op calls/s",
+    )
+    # Not the target, a diagnosis: each lifecycle also needs the registry's one Serve
+    # call to the encoder, whose no-op rate is measured the same way.
+    results.ratio(
+        SECTION,
+        "lifecycles_vs_raw_with_serve_call",
+        life,
+        1 / (calls / raw + 1 / serve_rate),
+        [life_keys[top], raw_keys[top], calls_key, serve_key],
+        {"concurrency": top},
+        how="lifecycles/s / (1 / (registry calls per lifecycle / raw calls/s + 1 / no-op Serve calls/s))",
     )
     results.target(
         SECTION,

@@ -78,6 +78,23 @@ class Peer:
     async def ping(self) -> None:
         return None
 
+    async def serve_calls_per_s(self, app: str, deployment: str, total: int, concurrency: int) -> float:
+        """The pipelined rate of no-op Serve handle calls (``identity``) made from this actor's
+        event loop, as the registry makes its calls to the encoder."""
+        from ray import serve
+
+        handle = await asyncio.to_thread(serve.get_deployment_handle, deployment, app)
+        await asyncio.gather(*(handle.identity.remote() for _ in range(concurrency)))  # warm-up
+        issued = iter(range(total))
+
+        async def worker() -> None:
+            for _ in issued:
+                await handle.identity.remote()
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return total / (time.perf_counter() - start)
+
     async def pid(self) -> int:
         return os.getpid()
 

@@ -118,7 +118,8 @@ def expected(plan: Plan, sections: tuple[str, ...] = SECTIONS) -> dict[str, list
         top = {"concurrency": max(plan.lifecycle_concurrency)}
         figures += [figure_id("registry.cpu_s_per_raw_call", {**top, "process": p}) for p in lifecycle.RAW_ROLES]
         figures += [figure_id("registry.cpu_s_per_lifecycle", {**top, "process": p}) for p in lifecycle.LIFECYCLE_ROLES]
-        ratios.append(figure_id("registry.lifecycles_vs_raw_per_call", top))
+        figures.append(figure_id("registry.serve_calls_per_s", top))
+        ratios += [figure_id(f"registry.{name}", top) for name in ("lifecycles_vs_raw_per_call", "lifecycles_vs_raw_with_serve_call")]
         targets += [figure_id("registry.lifecycles_vs_raw_per_call", top), "registry.registry_calls_per_lifecycle"]
     if "memory" in sections:
         figures.append("memory.input_bytes_per_request")

@@ -64,3 +64,16 @@ def test_input_lost_with_its_owner_fails_unavailable_and_stages_nothing(cluster)
     assert info.value.message.startswith("items[0]: the input bytes were lost") and "retry" in info.value.message
     after = registry_stats()
     assert after["staged"] == before["staged"] and after["failed_total"] == before["failed_total"] + 1
+
+
+def test_stored_input_outlives_its_callers_reference_while_the_registry_encodes(cluster):
+    # wait=false: the Ingress answers "pending" and drops its refs at once; the registry's
+    # borrowed ref must keep the bytes until the encoder has read them.
+    data = image_bytes(224, 224, seed=204)
+    item = media_input(data)
+    assert item.ref is not None
+    out = ray.get(lookup_registry().submit.remote("inputs-nowait", [item], "inputs-nowait", 1, False))
+    del item
+    assert out["state"] in ("pending", "staged")
+    got = ray.get(cluster.ranks[0].fetch.remote("inputs-nowait"))
+    assert got["bytes"] == [reference_embedding(data, **MODEL_SPEC).tobytes()]
