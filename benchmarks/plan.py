@@ -75,7 +75,7 @@ class Plan:
             e2e_window_s=1.0,
             e2e_warmup_s=0.2,
             inprocess_s=0.3,
-            image_pool=64,
+            image_pool=32,
             prealloc_in_parallel=True,
             blocking_cleanup=False,
         )
