@@ -2,7 +2,8 @@
 
 The default mode is sized to finish in under 5 minutes on a 2-core machine and
 the quick mode (a CI smoke test: it checks that every figure is produced, not
-how fast) in under 1 minute. Both produce the same figures; quick takes fewer
+how fast) in about 1 minute: its samples are nearly free, and what is left is
+starting the processes and the ViT-B forward passes every figure needs. Both produce the same figures; quick takes fewer
 samples, so its percentiles are rough.
 """
 

@@ -36,7 +36,7 @@ DEFAULT_OUT = os.path.join("benchmarks", "results")
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="the CI smoke run: every figure, few samples (< 1 min)")
+    parser.add_argument("--quick", action="store_true", help="the CI smoke run: every figure, few samples (about 1 min)")
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
     parser.add_argument(
         "--sections",
