@@ -44,8 +44,9 @@ def run_token() -> str:
 
 
 @contextlib.contextmanager
-def local_cluster(namespace: str, preallocate: bool = False) -> Iterator[dict[str, Any]]:
-    """Start a fresh local Ray cluster with Serve (HTTP on a free port); yield its settings.
+def local_cluster(namespace: str, preallocate: bool = False, http: bool = True) -> Iterator[dict[str, Any]]:
+    """Start a fresh local Ray cluster with Serve (HTTP on a free port, or no proxy at all
+    without ``http``); yield its settings.
 
     ``preallocate`` asks the raylet to pre-fault the whole object store at start
     (``RAY_preallocate_plasma_memory``); the variable must be in the environment
@@ -71,10 +72,13 @@ def local_cluster(namespace: str, preallocate: bool = False) -> Iterator[dict[st
     )
     port = free_port()
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"log_level": "WARNING"})
+        if http:
+            serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"log_level": "WARNING"})
+        else:
+            serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING"})
         yield {
             "namespace": namespace,
-            "http_url": f"http://127.0.0.1:{port}",
+            "http_url": f"http://127.0.0.1:{port}" if http else None,
             "num_cpus_logical": CLUSTER_CPUS,
             "object_store_bytes": OBJECT_STORE_BYTES,
             "preallocate_plasma_memory": preallocate,

@@ -306,8 +306,9 @@ def _child(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     plan = Plan.quick() if args.mode == "quick" else Plan.default()
     namespace = f"epd-bench-{args.token}-prealloc"
-    with local_cluster(namespace, preallocate=True):
-        app = standin.deploy(list(STAGING_SIZES), f"bench_registry_{args.token}_prealloc", namespace)
+    # Staging calls the registry directly: no Ingress and no HTTP proxy to start.
+    with local_cluster(namespace, preallocate=True, http=False):
+        app = standin.deploy_without_ingress(list(STAGING_SIZES), f"bench_registry_{args.token}_prealloc", namespace)
         samples = measure(plan, app)
     with open(args.out, "w") as f:
         json.dump(samples, f)

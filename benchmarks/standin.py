@@ -147,15 +147,10 @@ class StandInApp:
         ray.get(self.registry.cancel.remote(req_id))
 
 
-def application(sizes: list[int], registry_name: str, namespace: str) -> Any:
-    """The real ``Ingress`` in front of the stand-in: deploy it under ``APP`` (HTTP under ``/APP``).
+def _config(registry_name: str, namespace: str) -> Any:
+    from deployments import AppConfig
 
-    The Ingress creates the registry, as the real app does; only its encoder is the
-    stand-in, and the content-hash cache is off (every item is new).
-    """
-    from deployments import AppConfig, Ingress
-
-    config = AppConfig.model_validate(
+    return AppConfig.model_validate(
         {
             "registry_name": registry_name,
             "registry_namespace": namespace,
@@ -163,6 +158,17 @@ def application(sizes: list[int], registry_name: str, namespace: str) -> Any:
             "model": {"family": "tiny-vit", "dtype": "bfloat16"},
         }
     )
+
+
+def application(sizes: list[int], registry_name: str, namespace: str) -> Any:
+    """The real ``Ingress`` in front of the stand-in: deploy it under ``APP`` (HTTP under ``/APP``).
+
+    The Ingress creates the registry, as the real app does; only its encoder is the
+    stand-in, and the content-hash cache is off (every item is new).
+    """
+    from deployments import Ingress
+
+    config = _config(registry_name, namespace)
     encoder = StandInDeployment.bind(sorted({*sizes, TINY}))
     return Ingress.options(ray_actor_options={"num_cpus": 0}).bind(encoder, config.model_dump())
 
@@ -174,7 +180,12 @@ def connect(registry_name: str, namespace: str) -> StandInApp:
     return StandInApp(serve.get_deployment_handle("Encoder", APP), registry, registry_name, namespace)
 
 
-def deploy(sizes: list[int], registry_name: str, namespace: str) -> StandInApp:
-    """Deploy the stand-in app alone and connect to it."""
-    serve.run(application(sizes, registry_name, namespace), name=APP, route_prefix=None)
+def deploy_without_ingress(sizes: list[int], registry_name: str, namespace: str) -> StandInApp:
+    """Deploy the stand-in Encoder alone and create its registry from here, as the Ingress
+    would: for measurements that call the registry directly (one process fewer)."""
+    from registry import get_or_create_registry
+
+    serve.run(StandInDeployment.bind(sorted({*sizes, TINY})), name=APP, route_prefix=None)
+    settings = _config(registry_name, namespace).registry_settings(encoder_app=APP)
+    ray.get(get_or_create_registry(settings).configure.remote(settings))
     return connect(registry_name, namespace)
