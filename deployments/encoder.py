@@ -42,9 +42,9 @@ _BATCH_BOUNDARIES = [1, 2, 4, 8, 16, 32, 64, 128]
 )
 class Encoder:
     def __init__(self, model: dict[str, Any] | None = None):
-        self._config = ModelConfig.model_validate(model or {})
         from encoder import build_encoder  # imports torch: here, not where the Ingress imports this module
 
+        self._config = ModelConfig.model_validate(model or {})
         self._encoder = build_encoder(self._config.to_spec())
         self._items = 0
         self._batches = 0

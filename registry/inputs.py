@@ -36,8 +36,7 @@ INLINE_MAX_BYTES = 100 * 1024
 
 @dataclasses.dataclass(frozen=True)
 class MediaInput:
-    digest: str  # encoder.base.media_digest of the bytes: the mm_hash without the model
-    nbytes: int
+    digest: str  # encoder.hashing.media_digest of the bytes: the mm_hash without the model
     data: Media | None = None  # the bytes themselves, for small items
     ref: Any = None  # ray.ObjectRef of the bytes, for the others
 
@@ -53,8 +52,7 @@ def media_nbytes(media: Media) -> int:
 
 def media_input(media: Media, inline_max_bytes: int = INLINE_MAX_BYTES) -> MediaInput:
     """Hash ``media`` and, if it is larger than ``inline_max_bytes``, store it once (``ray.put``)."""
-    nbytes = media_nbytes(media)
     digest = media_digest(media)
-    if nbytes <= inline_max_bytes:
-        return MediaInput(digest, nbytes, data=media)
-    return MediaInput(digest, nbytes, ref=ray.put(media))
+    if media_nbytes(media) <= inline_max_bytes:
+        return MediaInput(digest, data=media)
+    return MediaInput(digest, ref=ray.put(media))
