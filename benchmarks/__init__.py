@@ -18,5 +18,5 @@ and writes ``results.json`` (schema: ``benchmarks.schema``), ``results.md`` and 
 PNG plots into the output directory (default ``benchmarks/results``). Each section's
 module docstring states what it measures and how. The default mode takes under
 5 minutes on a 2-core machine; ``--quick`` (the CI smoke run) aims at 1 minute and
-took 66-74 s there (the README's Performance section says where the time goes).
+took 66-76 s there (the README's Performance section says where the time goes).
 """
