@@ -32,10 +32,8 @@ that fail are counted (``fetch_errors``, normally 0).
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 import uuid
-from typing import Awaitable, Callable
 
 import ray
 
@@ -43,6 +41,7 @@ from benchmarks import standin
 from benchmarks.cluster import executed_tasks
 from benchmarks.cpu import CpuMeter, by_title
 from benchmarks.plan import Context, Plan
+from benchmarks.probes import pipelined
 from registry import media_input
 
 SECTION = "registry"
@@ -53,19 +52,6 @@ LIFECYCLE_ROLES = ("registry", "encoder", "ranks", "driver", "controller", "rayl
 
 def steps(plan: Plan) -> int:
     return 2 * len(plan.lifecycle_concurrency)
-
-
-async def _pipelined(call: Callable[[], Awaitable], total: int, concurrency: int) -> float:
-    """Run ``total`` calls, ``concurrency`` at a time; return calls per second."""
-    issued = itertools.count()
-
-    async def worker() -> None:
-        while next(issued) < total:
-            await call()
-
-    start = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return total / (time.perf_counter() - start)
 
 
 def _lifecycles(app: standin.StandInApp, ranks: list, count: int, concurrency: int) -> tuple[float, dict[str, int]]:
@@ -79,7 +65,7 @@ def _lifecycles(app: standin.StandInApp, ranks: list, count: int, concurrency: i
 
     start = time.perf_counter()
     fetching = [rank.fetch_many.remote(req_ids, concurrency) for rank in ranks]
-    asyncio.run(_pipelined(submit, count, concurrency))
+    asyncio.run(pipelined(submit, count, concurrency))
     errors: dict[str, int] = {}
     for out in ray.get(fetching):
         for name, n in out.items():
@@ -109,14 +95,14 @@ def run(ctx: Context, app: standin.StandInApp) -> None:
         },
         {ray.get(registry.ping.remote())["pid"]: "registry", **dict.fromkeys(rank_pids, "ranks")},
     )
-    asyncio.run(_pipelined(raw_call, 200, 16))  # warm-up: connections, workers, code paths
+    asyncio.run(pipelined(raw_call, 200, 16))  # warm-up: connections, workers, code paths
     _lifecycles(app, ranks, 20, 16)
     raw_keys, life_keys, calls_per, errors = {}, {}, [], {}
     top = max(plan.lifecycle_concurrency)
     for concurrency in plan.lifecycle_concurrency:
         labels = {"concurrency": concurrency}
         with CpuMeter(classify_raw) as raw_cpu:
-            rate = asyncio.run(_pipelined(raw_call, plan.raw_calls, concurrency))
+            rate = asyncio.run(pipelined(raw_call, plan.raw_calls, concurrency))
         raw_keys[concurrency] = results.add(SECTION, "raw_calls_per_s", rate, "1/s", labels, n=plan.raw_calls)
         ctx.progress.step(f"registry: raw calls x{concurrency}")
         before = executed_tasks(registry)
@@ -128,24 +114,13 @@ def run(ctx: Context, app: standin.StandInApp) -> None:
         life_keys[concurrency] = results.add(SECTION, "lifecycles_per_s", rate, "1/s", labels, n=plan.lifecycles)
         ctx.progress.step(f"registry: lifecycles x{concurrency}")
         if concurrency == top:  # where the CPU went, at the concurrency the target is judged at
-            for role in RAW_ROLES:
-                results.add(
-                    SECTION,
-                    "cpu_s_per_raw_call",
-                    raw_cpu.by_role.get(role, 0.0) / plan.raw_calls,
-                    "s",
-                    {"concurrency": top, "process": role},
-                    n=plan.raw_calls,
-                )
-            for role in LIFECYCLE_ROLES:
-                results.add(
-                    SECTION,
-                    "cpu_s_per_lifecycle",
-                    life_cpu.by_role.get(role, 0.0) / plan.lifecycles,
-                    "s",
-                    {"concurrency": top, "process": role},
-                    n=plan.lifecycles,
-                )
+            for name, meter, roles, n in (
+                ("cpu_s_per_raw_call", raw_cpu, RAW_ROLES, plan.raw_calls),
+                ("cpu_s_per_lifecycle", life_cpu, LIFECYCLE_ROLES, plan.lifecycles),
+            ):
+                for role in roles:
+                    labels = {"concurrency": top, "process": role}
+                    results.add(SECTION, name, meter.by_role.get(role, 0.0) / n, "s", labels, n=n)
     serve_rate = ray.get(noop.serve_calls_per_s.remote(standin.APP, "Encoder", plan.raw_calls, top))
     serve_key = results.add(SECTION, "serve_calls_per_s", serve_rate, "1/s", {"concurrency": top}, n=plan.raw_calls)
     calls = max(calls_per)

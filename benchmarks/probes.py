@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import mmap
 import os
 import threading
 import time
 import warnings
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import numpy as np
 import ray
@@ -53,6 +54,19 @@ def fresh_copy(src: np.ndarray) -> None:
     hands back the pages of the last freed buffer of that size.)"""
     with mmap.mmap(-1, src.nbytes) as buf:
         np.frombuffer(buf, dtype=np.uint8)[:] = src.reshape(-1).view(np.uint8)
+
+
+async def pipelined(call: Callable[[], Awaitable], total: int, concurrency: int) -> float:
+    """Run ``total`` calls, ``concurrency`` at a time; return calls per second."""
+    issued = itertools.count()
+
+    async def worker() -> None:
+        while next(issued) < total:
+            await call()
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return total / (time.perf_counter() - start)
 
 
 @ray.remote(num_cpus=0)
@@ -85,15 +99,7 @@ class Peer:
 
         handle = await asyncio.to_thread(serve.get_deployment_handle, deployment, app)
         await asyncio.gather(*(handle.identity.remote() for _ in range(concurrency)))  # warm-up
-        issued = iter(range(total))
-
-        async def worker() -> None:
-            for _ in issued:
-                await handle.identity.remote()
-
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return total / (time.perf_counter() - start)
+        return await pipelined(lambda: handle.identity.remote(), total, concurrency)
 
     async def pid(self) -> int:
         return os.getpid()

@@ -46,13 +46,13 @@ class MediaInput:
         return self.ref if self.ref is not None else self.data
 
 
-def media_nbytes(media: Media) -> int:
+def _nbytes(media: Media) -> int:
     return sum(len(f) for f in media.frames) if isinstance(media, Video) else len(media)
 
 
 def media_input(media: Media, inline_max_bytes: int = INLINE_MAX_BYTES) -> MediaInput:
     """Hash ``media`` and, if it is larger than ``inline_max_bytes``, store it once (``ray.put``)."""
     digest = media_digest(media)
-    if media_nbytes(media) <= inline_max_bytes:
+    if _nbytes(media) <= inline_max_bytes:
         return MediaInput(digest, data=media)
     return MediaInput(digest, ref=ray.put(media))

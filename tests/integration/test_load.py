@@ -8,12 +8,10 @@ with memory bounded by the limits.
 
 import asyncio
 import hashlib
-import statistics
 import time
 
 import httpx
 import pytest
-import ray
 from ray import serve
 
 from deployments import compose_app
