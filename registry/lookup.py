@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ray
 
-from registry.actor import EmbeddingRegistry
 from registry.errors import Unavailable
 from registry.settings import RegistrySettings, registry_address
 
@@ -18,6 +17,10 @@ def get_or_create_registry(settings: RegistrySettings) -> ray.actor.ActorHandle:
     loss ends the cluster anyway, so a worker node's death never takes it down.
     ``num_cpus=0`` keeps it from starving replicas of CPUs on small machines.
     """
+    # Here, not at the top: the actor class imports Ray Serve, which a decoder rank that
+    # only looks the registry up (``EmbeddingReceiver``) should not have to load.
+    from registry.actor import EmbeddingRegistry
+
     actor_cls = ray.remote(EmbeddingRegistry)
     return actor_cls.options(
         name=settings.name,

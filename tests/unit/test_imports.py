@@ -1,4 +1,5 @@
-"""What the light processes import: the Ingress and the registry never load torch."""
+"""What the light processes import: the Ingress and the registry never load torch, and a
+decoder rank that only fetches never loads Ray Serve."""
 
 import subprocess
 import sys
@@ -11,6 +12,15 @@ def test_ingress_and_registry_modules_do_not_import_torch():
     code = (
         "import sys, deployments, deployments.ingress, registry, registry.actor, encoder; "
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_a_decoder_rank_importing_the_receiver_does_not_load_serve():
+    code = (
+        "import sys; from registry import EmbeddingReceiver, lookup_registry; "
+        "print(sorted(m for m in ('ray.serve', 'fastapi', 'registry.actor') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
