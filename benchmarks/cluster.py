@@ -31,6 +31,12 @@ CLUSTER_CPUS = 8
 # Small and explicit, so that pre-faulting it (RAY_preallocate_plasma_memory) stays cheap
 # and the benchmark never takes 30% of a shared machine's memory.
 OBJECT_STORE_BYTES = 2 * 1024**3
+# The pre-faulted cluster runs the staging section alone, whose largest burst holds
+# about 150 MB; every byte of it is faulted in at start (1.8 CPU-s per GiB here).
+PREFAULTED_STORE_BYTES = 512 * 1024**2
+# Ray prestarts idle workers for a new driver; none of this run's actors can take
+# them (they carry the job's runtime_env), so each one idled through the whole run.
+_SYSTEM_CONFIG = {"prestart_worker_first_driver": False, "enable_worker_prestart": False}
 
 
 def free_port() -> int:
@@ -44,7 +50,9 @@ def run_token() -> str:
 
 
 @contextlib.contextmanager
-def local_cluster(namespace: str, preallocate: bool = False, http: bool = True) -> Iterator[dict[str, Any]]:
+def local_cluster(
+    namespace: str, preallocate: bool = False, http: bool = True, object_store_bytes: int = OBJECT_STORE_BYTES
+) -> Iterator[dict[str, Any]]:
     """Start a fresh local Ray cluster with Serve (HTTP on a free port, or no proxy at all
     without ``http``); yield its settings.
 
@@ -64,11 +72,12 @@ def local_cluster(namespace: str, preallocate: bool = False, http: bool = True) 
         num_cpus=CLUSTER_CPUS,
         num_gpus=0,
         namespace=namespace,
-        object_store_memory=OBJECT_STORE_BYTES,
+        object_store_memory=object_store_bytes,
         include_dashboard=False,
         log_to_driver=False,  # replica logs would tear the progress bar apart
         logging_level="WARNING",
         runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
+        _system_config=_SYSTEM_CONFIG,
     )
     port = free_port()
     try:
@@ -80,7 +89,7 @@ def local_cluster(namespace: str, preallocate: bool = False, http: bool = True) 
             "namespace": namespace,
             "http_url": f"http://127.0.0.1:{port}" if http else None,
             "num_cpus_logical": CLUSTER_CPUS,
-            "object_store_bytes": OBJECT_STORE_BYTES,
+            "object_store_bytes": object_store_bytes,
             "preallocate_plasma_memory": preallocate,
         }
     finally:

@@ -103,27 +103,30 @@ async def _closed_loop(
 def _inprocess(
     encoder: Any, media: list[bytes], threads: int, batch: int, seconds: float, warm_up: bool = True
 ) -> dict[str, float]:
-    """Images/s of the model's batched forward, and of preprocessing + forward, in this process."""
+    """Images/s of the model's batched forward, and of preprocessing + forward, in this process.
+
+    One loop for both: each pass prepares the next ``batch`` images, then runs the batched
+    forward on them, each part timed; ``forward`` counts the forward passes' time only,
+    ``pipeline`` both parts.
+    """
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        prepared = [encoder.prepare(m) for m in media[:batch]]
         if warm_up:  # the first pass allocates; later calls with the same model need none
-            encoder.encode_batch(prepared)
-        images, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds:
-            encoder.encode_batch(prepared)
-            images += batch
-        forward = images / (time.perf_counter() - start)
-        images, start, chunks = 0, time.perf_counter(), itertools.count()
-        while time.perf_counter() - start < seconds:
+            encoder.encode_batch([encoder.prepare(m) for m in media[:batch]])
+        images, prepare_s, forward_s, chunks = 0, 0.0, 0.0, itertools.count()
+        while prepare_s + forward_s < seconds:
             first = next(chunks) * batch % len(media)
-            encoder.encode_batch([encoder.prepare(m) for m in media[first : first + batch]])
-            images += batch
-        pipeline = images / (time.perf_counter() - start)
+            start = time.perf_counter()
+            prepared = [encoder.prepare(m) for m in media[first : first + batch]]
+            prepared_at = time.perf_counter()
+            encoder.encode_batch(prepared)
+            prepare_s += prepared_at - start
+            forward_s += time.perf_counter() - prepared_at
+            images += len(prepared)
     finally:
         torch.set_num_threads(before)
-    return {"forward": forward, "pipeline": pipeline}
+    return {"forward": images / forward_s, "pipeline": images / (prepare_s + forward_s)}
 
 
 def app_name(model: str) -> str:
@@ -252,8 +255,6 @@ async def _served(
     ctx: Context, model: str, handle, url: str, pool: list[dict], raw: list[bytes], classify
 ) -> dict[str, str]:
     """Run every path at every concurrency; return the saturated-throughput figure key per path."""
-    from deployments import BatchConfig
-
     plan, results = ctx.plan, ctx.results
     limits = httpx.Limits(max_connections=max(plan.e2e_concurrency) + 4)
     async with httpx.AsyncClient(timeout=300, limits=limits) as client:
@@ -272,9 +273,9 @@ async def _served(
         saturated: dict[str, str] = {}
         # Warm both paths at once (first batches, connections) before anything is timed, each
         # with images of its own so that no encode is shared.
-        batch = BatchConfig().max_batch_size
+        n = plan.e2e_warmup_images
         await asyncio.gather(
-            *(send(b) for i, (send, bodies) in enumerate(senders.values()) for b in bodies[i * batch : (i + 1) * batch])
+            *(send(b) for i, (send, bodies) in enumerate(senders.values()) for b in bodies[i * n : (i + 1) * n])
         )
         for path in PATHS:
             send, bodies = senders[path]

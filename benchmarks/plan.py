@@ -34,6 +34,7 @@ class Plan:
     e2e_concurrency: tuple[int, ...]
     e2e_window_s: float  # measured window per concurrency level and path (after a warm-up)
     e2e_warmup_s: float
+    e2e_warmup_images: int  # per path and model, sent before anything is timed (a full batch warms the batch shape)
     inprocess_s: float  # seconds of the in-process baseline, per variant
     image_pool: int  # distinct images cycled through by the end-to-end clients
     prealloc_in_parallel: bool  # run the pre-faulted staging cluster beside the main one (saves time, adds noise)
@@ -54,6 +55,7 @@ class Plan:
             e2e_concurrency=(1, 4, 16, 64),
             e2e_window_s=3.5,
             e2e_warmup_s=1.5,
+            e2e_warmup_images=8,
             inprocess_s=3.0,
             image_pool=512,
             prealloc_in_parallel=False,
@@ -75,6 +77,7 @@ class Plan:
             e2e_concurrency=(8,),
             e2e_window_s=1.0,
             e2e_warmup_s=0.2,
+            e2e_warmup_images=2,
             inprocess_s=0.3,
             image_pool=32,
             prealloc_in_parallel=True,

@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks import standin
+from benchmarks.cluster import PREFAULTED_STORE_BYTES, local_cluster
 from benchmarks.plan import SIZES, Context, Plan
 from benchmarks.stats import Results, figure_id, size_label
 
@@ -293,11 +294,15 @@ def finish_preallocated(ctx: Context, started: tuple[subprocess.Popen, str]) -> 
         os.remove(path + suffix)
     ctx.progress.step("staging: pre-faulted store", n=steps(ctx.plan) // 2)
     record(ctx.results, samples, prealloc=True)
+    when = "beside the main cluster" if ctx.plan.prealloc_in_parallel else "after the main cluster was shut down"
+    ctx.results.note(
+        SECTION,
+        f"prealloc=on: a second cluster, {when}, whose {PREFAULTED_STORE_BYTES / 2**20:.0f} MiB object store "
+        "was pre-faulted at start (RAY_preallocate_plasma_memory=1).",
+    )
 
 
 def _child(argv: list[str]) -> int:
-    from benchmarks.cluster import local_cluster
-
     parser = argparse.ArgumentParser()
     parser.add_argument("--child", action="store_true")
     parser.add_argument("--mode", choices=["default", "quick"], required=True)
@@ -307,7 +312,7 @@ def _child(argv: list[str]) -> int:
     plan = Plan.quick() if args.mode == "quick" else Plan.default()
     namespace = f"epd-bench-{args.token}-prealloc"
     # Staging calls the registry directly: no Ingress and no HTTP proxy to start.
-    with local_cluster(namespace, preallocate=True, http=False):
+    with local_cluster(namespace, preallocate=True, http=False, object_store_bytes=PREFAULTED_STORE_BYTES):
         app = standin.deploy_without_ingress(list(STAGING_SIZES), f"bench_registry_{args.token}_prealloc", namespace)
         samples = measure(plan, app)
     with open(args.out, "w") as f:

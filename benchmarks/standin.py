@@ -75,11 +75,14 @@ class StandInModel(VisionEncoder):
 
 class StandInEncoder(_EncoderDeployment.func_or_class):
     def __init__(self, sizes: list[int]):
-        super().__init__({"family": "tiny-vit", "dtype": "bfloat16"})  # a tiny model, replaced at once
-        self._encoder = StandInModel(sizes)
+        self._sizes = sizes
+        super().__init__({"family": "tiny-vit", "dtype": "bfloat16"})  # the config's model is never built
         self._held: list[Any] = []
         # Warm buffers for the memcpy baseline: touched once, so copies into them fault no pages.
         self._dst = {n: np.ones(n, dtype=np.uint8) for n in sizes}
+
+    def _load(self, config: Any) -> VisionEncoder:
+        return StandInModel(self._sizes)
 
     async def copies_before_store(self, nbytes: int) -> int:
         """Copies ``EncodedItem.from_tensor`` makes of the output: 0 if the payload is a view."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray import serve
 from ray.serve import metrics
@@ -23,6 +23,9 @@ from ray.serve import metrics
 from deployments.config import BatchConfig, ModelConfig
 from encoder import EncodedItem, Media, MediaError, PreparedItem, Video
 from registry.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from encoder import VisionEncoder
 
 _FORWARD_BOUNDARIES_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5]
 _BATCH_BOUNDARIES = [1, 2, 4, 8, 16, 32, 64, 128]
@@ -42,10 +45,8 @@ _BATCH_BOUNDARIES = [1, 2, 4, 8, 16, 32, 64, 128]
 )
 class Encoder:
     def __init__(self, model: dict[str, Any] | None = None):
-        from encoder import build_encoder  # imports torch: here, not where the Ingress imports this module
-
         self._config = ModelConfig.model_validate(model or {})
-        self._encoder = build_encoder(self._config.to_spec())
+        self._encoder = self._load(self._config)
         self._items = 0
         self._batches = 0
         self._in_progress = 0  # encode calls received and not answered yet
@@ -57,6 +58,12 @@ class Encoder:
             "epd_encoder_forward_s", "Seconds per batched forward pass.", boundaries=_FORWARD_BOUNDARIES_S
         )
         self._items_total = metrics.Counter("epd_encoder_items_total", "Items encoded by this replica.")
+
+    def _load(self, config: ModelConfig) -> VisionEncoder:
+        """The vision tower this replica runs; a subclass that brings its own overrides this."""
+        from encoder import build_encoder  # imports torch: here, not where the Ingress imports this module
+
+        return build_encoder(config.to_spec())
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         self._batch = BatchConfig.model_validate(user_config or {})
