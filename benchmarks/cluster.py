@@ -3,8 +3,9 @@
 The benchmark never joins a cluster it did not start (``address="local"``, and
 ``RAY_ADDRESS`` is ignored), runs in a namespace of its own, names its registry
 actors after a per-run token, and at the end shuts down exactly what it started
-(``ray.shutdown()`` of the cluster it started). It never runs ``ray stop``, which
-would kill every Ray process on the machine.
+(the pre-faulted node's processes, then ``ray.shutdown()`` of the cluster it
+started). It never runs ``ray stop``, which would kill every Ray process on the
+machine.
 
 Workers import ``benchmarks`` and the project's packages from the repository
 root, which is put on their ``PYTHONPATH`` (the checkout need not be installed).
@@ -28,11 +29,10 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Logical CPUs, not the machine's: actors and replicas ask for few or none, and the
 # Encoder replicas ask for 2 so that Ray gives them two intra-op threads (see end_to_end).
 CLUSTER_CPUS = 8
-# Small and explicit, so that pre-faulting it (RAY_preallocate_plasma_memory) stays cheap
-# and the benchmark never takes 30% of a shared machine's memory.
+# Explicit, so that the benchmark never takes 30% of a shared machine's memory.
 OBJECT_STORE_BYTES = 2 * 1024**3
-# The pre-faulted cluster runs the staging section alone, whose largest burst holds
-# about 150 MB; every byte of it is faulted in at start (1.8 CPU-s per GiB here).
+# The pre-faulted node runs the staging section alone, whose largest burst holds about
+# 150 MB; its raylet faults every byte in at start (a 2 GiB store cost it 4.7 CPU-s).
 PREFAULTED_STORE_BYTES = 512 * 1024**2
 # Ray prestarts idle workers for a new driver; none of this run's actors can take
 # them (they carry the job's runtime_env), so each one idled through the whole run.
@@ -50,29 +50,19 @@ def run_token() -> str:
 
 
 @contextlib.contextmanager
-def local_cluster(
-    namespace: str, preallocate: bool = False, http: bool = True, object_store_bytes: int = OBJECT_STORE_BYTES
-) -> Iterator[dict[str, Any]]:
-    """Start a fresh local Ray cluster with Serve (HTTP on a free port, or no proxy at all
-    without ``http``); yield its settings.
-
-    ``preallocate`` asks the raylet to pre-fault the whole object store at start
-    (``RAY_preallocate_plasma_memory``); the variable must be in the environment
-    before the raylet starts, which ``ray.init`` does here.
-    """
+def local_cluster(namespace: str) -> Iterator[dict[str, Any]]:
+    """Start a fresh local Ray cluster with Serve (HTTP on a free port); yield its settings."""
     from ray import serve
 
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # its INFO lines would tear the progress bar
     os.environ.pop("RAY_ADDRESS", None)
-    if preallocate:
-        os.environ["RAY_preallocate_plasma_memory"] = "1"
     pythonpath = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     ray.init(
         address="local",
         num_cpus=CLUSTER_CPUS,
         num_gpus=0,
         namespace=namespace,
-        object_store_memory=object_store_bytes,
+        object_store_memory=OBJECT_STORE_BYTES,
         include_dashboard=False,
         log_to_driver=False,  # replica logs would tear the progress bar apart
         logging_level="WARNING",
@@ -81,23 +71,72 @@ def local_cluster(
     )
     port = free_port()
     try:
-        if http:
-            serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"log_level": "WARNING"})
-        else:
-            serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING"})
+        # HeadOnly: the pre-faulted node (start_prefaulted_node) must not get a proxy of its own.
+        serve.start(
+            proxy_location="HeadOnly",
+            http_options={"host": "127.0.0.1", "port": port},
+            logging_config={"log_level": "WARNING"},
+        )
         yield {
             "namespace": namespace,
-            "http_url": f"http://127.0.0.1:{port}" if http else None,
+            "http_url": f"http://127.0.0.1:{port}",
             "num_cpus_logical": CLUSTER_CPUS,
-            "object_store_bytes": object_store_bytes,
-            "preallocate_plasma_memory": preallocate,
+            "object_store_bytes": OBJECT_STORE_BYTES,
+            "preallocate_plasma_memory": False,
+            "prefaulted_node_object_store_bytes": PREFAULTED_STORE_BYTES,
         }
     finally:
         # No serve.shutdown(): it stops every replica gracefully, one by one (seconds), and
         # ray.shutdown() ends this cluster's every process anyway, since this driver started it.
         ray.shutdown()
-        if preallocate:
-            os.environ.pop("RAY_preallocate_plasma_memory", None)
+
+
+def start_prefaulted_node(resource: str) -> Any:
+    """Add a second node to the running cluster, on this machine, whose object store its
+    raylet pre-faults at start (``RAY_preallocate_plasma_memory=1``); work that asks for
+    ``resource`` runs there. Returns the node, for ``remove_node``.
+
+    It has no CPUs, so nothing that does not ask for ``resource`` is placed on it. It is
+    started as ``ray.cluster_utils.Cluster.add_node`` starts one (Ray's ``Node``): a
+    second cluster would cost its own GCS, dashboard, monitors, driver and Serve
+    controller, and ``ray start`` would leave processes only ``ray stop`` ends. Callable
+    from any thread (no exit hooks: they set signal handlers). The node's processes get
+    the kernel's parent-death signal when the *thread* that started them ends, so that
+    thread must outlive the node's use; ``remove_node`` ends them.
+    """
+    from ray._private.node import Node
+    from ray._private.parameter import RayParams
+    from ray._private.services import wait_for_node
+
+    head = ray._private.worker.global_worker.node
+    params = RayParams(
+        gcs_address=head.gcs_address,
+        num_cpus=0,
+        num_gpus=0,
+        resources={resource: 1},
+        object_store_memory=PREFAULTED_STORE_BYTES,
+        include_log_monitor=False,  # the head's log monitor covers this machine
+        node_manager_port=0,
+        min_worker_port=0,
+        max_worker_port=0,
+    )
+    params.dashboard_agent_listen_port = None  # a free port, not the head agent's
+    os.environ["RAY_preallocate_plasma_memory"] = "1"  # read by the raylet this starts
+    try:
+        node = Node(params, head=False, shutdown_at_exit=False, spawn_reaper=True)
+    finally:
+        os.environ.pop("RAY_preallocate_plasma_memory", None)
+    try:
+        wait_for_node(node.gcs_address, node.plasma_store_socket_name, 60)
+    except BaseException:
+        remove_node(node)
+        raise
+    return node
+
+
+def remove_node(node: Any) -> None:
+    """End every process of a node that ``start_prefaulted_node`` started."""
+    node.kill_all_processes(check_alive=False, allow_graceful=True, wait=True)
 
 
 def object_store_used() -> int:

@@ -37,7 +37,7 @@ class Plan:
     e2e_warmup_images: int  # per path and model, sent before anything is timed (a full batch warms the batch shape)
     inprocess_s: float  # seconds of the in-process baseline, per variant
     image_pool: int  # distinct images cycled through by the end-to-end clients
-    prealloc_in_parallel: bool  # run the pre-faulted staging cluster beside the main one (saves time, adds noise)
+    prefaulted_setup_overlaps: bool  # set the pre-faulted staging node up while the next sections run (noisier)
     blocking_cleanup: bool  # wait for apps no longer needed to be deleted before measuring on (quick: do not)
 
     @classmethod
@@ -58,7 +58,7 @@ class Plan:
             e2e_warmup_images=8,
             inprocess_s=3.0,
             image_pool=512,
-            prealloc_in_parallel=False,
+            prefaulted_setup_overlaps=False,
             blocking_cleanup=True,
         )
 
@@ -80,7 +80,7 @@ class Plan:
             e2e_warmup_images=2,
             inprocess_s=0.3,
             image_pool=32,
-            prealloc_in_parallel=True,
+            prefaulted_setup_overlaps=True,
             blocking_cleanup=False,
         )
 

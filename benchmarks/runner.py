@@ -1,12 +1,11 @@
 """``python -m benchmarks [--quick] [--out DIR] [--sections ...]``: run the sections, write the results.
 
 Order: one local Ray cluster of this run's own; the stand-in app (the real
-Ingress and registry) for staging, fetch, registry and memory; the real apps
-for end to end; the cluster is shut down; then a second, pre-faulted cluster
-repeats the staging measurements (``benchmarks.staging``; in ``--quick``, beside
-the main one from the end of its staging section on); last, results.json,
-results.md and the plots are written. A section that fails is recorded under ``errors`` and the
-others still run; the exit status is then 1. Targets that are not met do not
+Ingress and registry) for staging (on the head node's store, then on a second,
+pre-faulted node: ``benchmarks.staging``), fetch, registry and memory; the real
+apps for end to end; the cluster is shut down; last, results.json, results.md
+and the plots are written. A section that fails is recorded under ``errors`` and
+the others still run; the exit status is then 1. Targets that are not met do not
 change the exit status: they are findings, not failures.
 """
 
@@ -109,7 +108,7 @@ def _retire_standin(ctx: Context, app: standin.StandInApp) -> None:
     serve.delete(standin.APP, _blocking=ctx.plan.blocking_cleanup)
 
 
-def run(plan: Plan, sections: tuple[str, ...], out_dir: str, progress_bar: bool = True) -> dict[str, Any]:
+def run(plan: Plan, sections: tuple[str, ...], progress_bar: bool = True) -> dict[str, Any]:
     steps = {
         "fetch": fetch.steps(plan),
         "staging": staging.steps(plan),
@@ -123,7 +122,6 @@ def run(plan: Plan, sections: tuple[str, ...], out_dir: str, progress_bar: bool 
     started = datetime.datetime.now(datetime.timezone.utc)
     wall = time.perf_counter()
     info = machine()
-    prealloc = None
     try:
         with local_cluster(f"epd-bench-{token}") as cluster:
             phases.mark("cluster_up")
@@ -133,32 +131,41 @@ def run(plan: Plan, sections: tuple[str, ...], out_dir: str, progress_bar: bool 
             phases.mark("deploy")
             progress.step("apps deployed")
             # Staging first: its cold burst needs object-store pages no section has touched.
-            for section, body in (
-                ("staging", lambda: staging.run(ctx, app)),
-                ("fetch", lambda: fetch.run(ctx, app)),
-                ("registry", lambda: lifecycle.run(ctx, app)),
-                ("memory", lambda: memory.run(ctx, app)),
-                ("e2e", lambda: end_to_end.run(ctx)),
-            ):
-                if section == "e2e" and app is not None:
-                    _retire_standin(ctx, app)  # idle actors still cost CPU that the served models would miss
-                if section in sections:
-                    _guarded(errors, phases, section, body)
-                if section == "staging" and section in sections and plan.prealloc_in_parallel:
-                    # Started only now: beside the deploy (CPU-bound process start-up on a small
-                    # machine) it slowed both; here it boots while the sections wait and measure.
-                    prealloc = staging.start_preallocated(plan, token, out_dir)
+            # Its pre-faulted run comes next; in quick mode it comes last but e2e, and its node
+            # and app are set up meanwhile (mostly waiting; those sections leave CPU spare).
+            prefaulted: staging.Prefaulted | None = None
+
+            def run_prefaulted() -> None:
+                nonlocal prefaulted
+                prefaulted = prefaulted or staging.Prefaulted(ctx)
+                prefaulted.run()
+
+            bodies: dict[str, Callable[[], None]] = {
+                "staging": lambda: staging.run(ctx, app),
+                "fetch": lambda: fetch.run(ctx, app),
+                "registry": lambda: lifecycle.run(ctx, app),
+                "memory": lambda: memory.run(ctx, app),
+                "e2e": lambda: end_to_end.run(ctx),
+                "staging_prealloc": run_prefaulted,
+            }
+            order = [s for s in ("staging", "fetch", "registry", "memory", "e2e") if s in sections]
+            if "staging" in sections:
+                anchor = [s for s in order if s != "e2e"][-1] if plan.prefaulted_setup_overlaps else "staging"
+                order.insert(order.index(anchor) + 1, "staging_prealloc")
+            try:
+                for section in order:
+                    if section == "e2e" and app is not None:
+                        _retire_standin(ctx, app)  # idle actors still cost CPU that the served models would miss
+                    _guarded(errors, phases, section, bodies[section])
+                    if section == "staging" and plan.prefaulted_setup_overlaps:
+                        prefaulted = staging.Prefaulted(ctx)
+            finally:
+                if prefaulted is not None:
+                    prefaulted.close()  # never leave the node running (an error above)
         phases.mark("cluster_down")
         progress.step("cluster down")
-        if "staging" in sections:
-            if prealloc is None:
-                prealloc = staging.start_preallocated(plan, token, out_dir)
-            started_prealloc, prealloc = prealloc, None
-            _guarded(errors, phases, "staging_prealloc", lambda: staging.finish_preallocated(ctx, started_prealloc))
     finally:
         progress.close()
-        if prealloc is not None:  # never waited for (an error above): do not leave its cluster running
-            staging.kill_preallocated(prealloc)
     info["load_avg_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     doc: dict[str, Any] = {
         "schema_version": schema.SCHEMA_VERSION,
@@ -187,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     plan = Plan.quick() if args.quick else Plan.default()
     os.makedirs(args.out, exist_ok=True)
-    doc = run(plan, args.sections, args.out, progress_bar=not args.no_progress)
+    doc = run(plan, args.sections, progress_bar=not args.no_progress)
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(doc, f, indent=1)
     report.write_all(doc, args.out)

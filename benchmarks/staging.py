@@ -25,29 +25,25 @@ Steady state reuses object-store pages freed by earlier objects. The *cold*
 burst, run first (the runner runs this section before any other touches the
 store), holds ``plan.staging_cold_items`` 4.72 MB entries at once, then as many
 held ``ray.put``s, so that each lands in pages never touched before. The whole
-section also runs in a second cluster started with
-``RAY_preallocate_plasma_memory=1`` (``python -m benchmarks.staging --child``),
-which pre-faults the store at start; its figures carry ``prealloc=on``. In the
-default mode it runs after the main cluster is shut down; in ``--quick`` it runs
-beside it to save time (its figures are then perturbed, which a smoke run does
-not mind).
+section also runs (``Prefaulted``; figures labelled ``prealloc=on``) on a second
+node of the same cluster, on this machine, whose raylet pre-faulted its object
+store at start (``RAY_preallocate_plasma_memory=1``): the stand-in encoder and a
+registry of its own run there, and the driver calls that registry as before.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
+import concurrent.futures
 import random
-import signal
-import subprocess
-import sys
+import threading
 from typing import Any
 
 import numpy as np
+import ray
+from ray import serve
 
 from benchmarks import standin
-from benchmarks.cluster import PREFAULTED_STORE_BYTES, local_cluster
+from benchmarks.cluster import PREFAULTED_STORE_BYTES, remove_node, start_prefaulted_node
 from benchmarks.plan import SIZES, Context, Plan
 from benchmarks.stats import Results, figure_id, size_label
 
@@ -56,11 +52,13 @@ COLD_SIZE = SIZES[1]
 # The fetch sizes plus 75.5 MB (9216 tokens x 4096): a long lever for the per-MB slope,
 # whose small sizes sit within the noise of a call that itself takes milliseconds.
 STAGING_SIZES = (*SIZES, 9216 * 8192)
+PREFAULTED_RESOURCE = "bench_prefaulted_store"
+PREFAULTED_APP = "bench-standin-prefaulted"
 _MB = 1e6
 
 
 def steps(plan: Plan) -> int:
-    return 2 * (plan.staging_rounds + 2)  # this cluster, then the pre-faulted one
+    return 2 * (plan.staging_rounds + 2)  # the head node's store, then the pre-faulted one
 
 
 def measure(plan: Plan, app: standin.StandInApp, tick=lambda label: None) -> dict[str, Any]:
@@ -238,87 +236,63 @@ def run(ctx: Context, app: standin.StandInApp) -> None:
     record(ctx.results, measure(ctx.plan, app, ctx.progress.step), prealloc=False)
 
 
-def start_preallocated(plan: Plan, token: str, out_dir: str) -> tuple[subprocess.Popen, str]:
-    """Start the same measurements in a fresh cluster whose object store is pre-faulted at start.
+class Prefaulted:
+    """The section again, on a node whose object store was pre-faulted at start (``prealloc=on``).
 
-    The child runs in a session of its own, so that on failure its whole process group,
-    the Ray cluster it started included, can be killed (never ``ray stop``).
+    Created, the node and the stand-in app on it start in a thread; ``run`` waits for
+    them, measures, and removes them (``close`` also does, if ``run`` never ran). The
+    runner creates it right before ``run`` in the default mode; in ``--quick``, after
+    the first staging run, so that the set-up overlaps the fetch, registry and memory
+    sections (their figures are then perturbed, which a smoke run does not mind).
     """
-    path = os.path.join(out_dir, f"staging_prealloc_{token}")
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    with open(path + ".log", "w") as log:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "benchmarks.staging",
-                "--child",
-                "--mode",
-                plan.mode,
-                "--out",
-                path + ".json",
-                "--token",
-                token,
-            ],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+
+    def __init__(self, ctx: Context):
+        self._ctx = ctx
+        self._node: Any = None
+        self._app: standin.StandInApp | None = None
+        self._ready: concurrent.futures.Future = concurrent.futures.Future()
+        self._closed = threading.Event()
+        threading.Thread(target=self._hold_node, name="prefaulted-node", daemon=True).start()
+
+    def _hold_node(self) -> None:
+        """Start the node and the app, then stay alive until ``close``: the node's processes
+        get the kernel's parent-death signal when the *thread* that started them ends."""
+        try:
+            self._node = start_prefaulted_node(PREFAULTED_RESOURCE)
+            name = self._ctx.name("bench_prefaulted_registry")
+            self._app = standin.deploy_on(
+                PREFAULTED_RESOURCE, list(STAGING_SIZES), name, self._ctx.cluster["namespace"], PREFAULTED_APP
+            )
+        except BaseException as exc:  # noqa: BLE001 - handed to run()
+            self._ready.set_exception(exc)
+        else:
+            self._ready.set_result(None)
+        self._closed.wait()
+
+    def run(self) -> None:
+        ctx = self._ctx
+        try:
+            self._ready.result(timeout=300)
+            assert self._app is not None
+            samples = measure(ctx.plan, self._app, ctx.progress.step)
+        finally:
+            self.close()
+        record(ctx.results, samples, prealloc=True)
+        ctx.results.note(
+            SECTION,
+            f"prealloc=on: the stand-in encoder and a registry on a second node of the cluster (this machine) "
+            f"whose {PREFAULTED_STORE_BYTES / 2**20:.0f} MiB object store was pre-faulted at start "
+            "(RAY_preallocate_plasma_memory=1).",
         )
-    return proc, path
 
-
-def kill_preallocated(started: tuple[subprocess.Popen, str]) -> None:
-    try:
-        os.killpg(started[0].pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def finish_preallocated(ctx: Context, started: tuple[subprocess.Popen, str]) -> None:
-    """Wait for the pre-faulted run and record its figures (``prealloc=on``)."""
-    proc, path = started
-    try:
-        proc.wait(timeout=300)
-    except subprocess.TimeoutExpired:
-        kill_preallocated(started)
-        raise
-    with open(path + ".log") as f:
-        log = f.read()
-    if proc.returncode != 0:
-        kill_preallocated(started)
-        raise RuntimeError(f"the pre-faulted staging run failed (log {path}.log):\n{log[-4000:]}")
-    with open(path + ".json") as f:
-        samples = json.load(f)
-    for suffix in (".json", ".log"):
-        os.remove(path + suffix)
-    ctx.progress.step("staging: pre-faulted store", n=steps(ctx.plan) // 2)
-    record(ctx.results, samples, prealloc=True)
-    when = "beside the main cluster" if ctx.plan.prealloc_in_parallel else "after the main cluster was shut down"
-    ctx.results.note(
-        SECTION,
-        f"prealloc=on: a second cluster, {when}, whose {PREFAULTED_STORE_BYTES / 2**20:.0f} MiB object store "
-        "was pre-faulted at start (RAY_preallocate_plasma_memory=1).",
-    )
-
-
-def _child(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--child", action="store_true")
-    parser.add_argument("--mode", choices=["default", "quick"], required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--token", required=True)
-    args = parser.parse_args(argv)
-    plan = Plan.quick() if args.mode == "quick" else Plan.default()
-    namespace = f"epd-bench-{args.token}-prealloc"
-    # Staging calls the registry directly: no Ingress and no HTTP proxy to start.
-    with local_cluster(namespace, preallocate=True, http=False, object_store_bytes=PREFAULTED_STORE_BYTES):
-        app = standin.deploy_without_ingress(list(STAGING_SIZES), f"bench_registry_{args.token}_prealloc", namespace)
-        samples = measure(plan, app)
-    with open(args.out, "w") as f:
-        json.dump(samples, f)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(_child(sys.argv[1:]))
+    def close(self) -> None:
+        """Remove the app, its registry and the node (idempotent; waits for a set-up under way)."""
+        concurrent.futures.wait([self._ready], timeout=300)
+        if self._app is not None:  # before the node goes, or Serve would bring the replica back elsewhere
+            ray.kill(self._app.registry)
+            serve.delete(PREFAULTED_APP, _blocking=False)  # the node's end stops the replica anyway
+            self._app = None
+        if self._node is not None:
+            remove_node(self._node)
+            self._node = None
+        self._closed.set()

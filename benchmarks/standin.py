@@ -183,12 +183,27 @@ def connect(registry_name: str, namespace: str) -> StandInApp:
     return StandInApp(serve.get_deployment_handle("Encoder", APP), registry, registry_name, namespace)
 
 
-def deploy_without_ingress(sizes: list[int], registry_name: str, namespace: str) -> StandInApp:
-    """Deploy the stand-in Encoder alone and create its registry from here, as the Ingress
-    would: for measurements that call the registry directly (one process fewer)."""
-    from registry import get_or_create_registry
+def deploy_on(resource: str, sizes: list[int], registry_name: str, namespace: str, app: str) -> StandInApp:
+    """Deploy the stand-in Encoder alone, with a registry of its own, both on the node that
+    offers ``resource``, as app ``app``: for measurements that call the registry directly.
 
-    serve.run(StandInDeployment.bind(sorted({*sizes, TINY})), name=APP, route_prefix=None)
-    settings = _config(registry_name, namespace).registry_settings(encoder_app=APP)
-    ray.get(get_or_create_registry(settings).configure.remote(settings))
-    return connect(registry_name, namespace)
+    The registry is the project's actor class, created here because the Ingress would pin
+    it to the head node: on another node than its encoder, every result would also cross
+    to the head (Serve's router reads it), which is not the hand-off being measured.
+    """
+    from registry.actor import EmbeddingRegistry
+
+    there = {"num_cpus": 0, "resources": {resource: 0.01}}
+    settings = _config(registry_name, namespace).registry_settings(encoder_app=app)
+    # Created first: it starts while Serve starts the replica. This handle is kept, not one
+    # looked up by name later: the actor lives while its creator's handle does.
+    registry = (
+        ray.remote(EmbeddingRegistry)
+        .options(name=registry_name, namespace=namespace, max_concurrency=settings.max_concurrency, **there)
+        .remote(settings)
+    )
+    encoder = serve.run(
+        StandInDeployment.options(ray_actor_options=there).bind(sorted({*sizes, TINY})), name=app, route_prefix=None
+    )
+    ray.get(registry.configure.remote(settings))
+    return StandInApp(encoder, registry, registry_name, namespace)
