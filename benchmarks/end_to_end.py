@@ -25,8 +25,9 @@ The baselines run in the driver process with the replica's thread count, on the
 same machine while the cluster idles, once before and once after the served
 runs (``when``: the machine's load drifts; ``best`` of the two, the harder
 baseline, is what the ratios use): ``inprocess_forward_images_per_s`` is the
-model's batched forward (``encode_batch`` on already-preprocessed batches of
-``max_batch_size``), the figure the target uses; ``inprocess_pipeline_images_per_s``
+model's batched forward (``encode_batch`` on already-preprocessed batches as large
+as the served runs can form: ``max_batch_size``, or the highest concurrency if that
+is lower), the figure the target uses; ``inprocess_pipeline_images_per_s``
 adds the per-image decoding and preprocessing the service also does.
 Target: served images/s at saturation (the best concurrency) >= 0.9 x in-process
 forward, for ``vit_b``, through both paths. For the diagnosis, the CPU seconds per
@@ -177,7 +178,8 @@ def _run_model(ctx: Context, model: str) -> None:
     ctx.progress.step(f"e2e {model}: images ready")
     from encoder import EncoderSpec, build_encoder
 
-    batch = BatchConfig().max_batch_size
+    # The largest batch the served runs can form: no larger in-process batch is a fair bar.
+    batch = min(BatchConfig().max_batch_size, max(plan.e2e_concurrency))
     labels = {"model": model}
     encoder = build_encoder(EncoderSpec(**MODELS[model]))
     media = [base64.b64decode(body["items"][0]["image"]) for body in pool]

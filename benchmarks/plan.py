@@ -15,6 +15,10 @@ from typing import Any
 
 from benchmarks.stats import Results
 
+# The sections, numbered as in the issue; they run staging first (its cold burst needs
+# object-store pages no other section has touched).
+SECTIONS = ("fetch", "staging", "registry", "memory", "e2e")
+RUN_ORDER = ("staging", "fetch", "registry", "memory", "e2e")
 # Embedding sizes of the fetch and staging sections (the issue's 0.5, 4.7 and 19 MB):
 # 64, 576 and 2304 tokens of a 4096-wide bfloat16 embedding.
 SIZES = (64 * 8192, 576 * 8192, 2304 * 8192)
@@ -24,7 +28,7 @@ SIZES = (64 * 8192, 576 * 8192, 2304 * 8192)
 class Plan:
     mode: str
     fetch_rounds: int  # staged entries per size; each is fetched once by each of the ranks
-    fetch_ranks: int
+    fetch_ranks: int  # rank processes (RankProbe actors); the registry section needs 4, its receive_count
     staging_rounds: int  # submits per size (and as many ray.puts and memcpys)
     staging_cold_items: int  # objects held at once in the cold (fresh pages) burst
     raw_calls: int  # no-op calls per concurrency level
@@ -74,7 +78,7 @@ class Plan:
             lifecycles=40,
             lifecycle_concurrency=(16,),
             memory_burst=8,
-            e2e_concurrency=(8,),
+            e2e_concurrency=(4,),  # also the in-process batch: half the ViT-B passes of 8
             e2e_window_s=1.0,
             e2e_warmup_s=0.2,
             e2e_warmup_images=2,
@@ -121,7 +125,7 @@ class Context:
     progress: Progress
     cluster: dict[str, Any]
     token: str  # per-run suffix of every name this run creates
-    probes: Any = None  # benchmarks.probes.Probes, started with the apps
+    probes: Any = None  # benchmarks.probes.Probes, started before Serve (None if no section needs them)
 
     def name(self, base: str) -> str:
         return f"{base}_{self.token}"

@@ -12,25 +12,46 @@ change the exit status: they are findings, not failures.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import datetime
+import importlib
 import json
 import os
 import sys
 import time
 import traceback
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import ray
 
-from benchmarks import end_to_end, fetch, lifecycle, memory, report, schema, staging, standin
-from benchmarks.cluster import local_cluster, machine, run_token
+from benchmarks.cluster import local_cluster, machine, run_token, start_serve
 from benchmarks.cpu import CpuLedger
-from benchmarks.plan import SIZES, Context, Plan, Progress
-from benchmarks.probes import Probes
+from benchmarks.plan import RUN_ORDER, SECTIONS, SIZES, Context, Plan, Progress
 from benchmarks.stats import Results
 
+if TYPE_CHECKING:
+    from benchmarks import standin
+    from benchmarks.probes import Probes
+
 DEFAULT_OUT = os.path.join("benchmarks", "results")
+# Imported in a thread while Ray starts the cluster (torch and Serve take seconds of CPU to
+# import; on 2 cores the cluster's start-up leaves one mostly idle).
+_SECTION_MODULES = ("end_to_end", "fetch", "lifecycle", "memory", "probes", "report", "schema", "staging", "standin")
+
+
+def _in_thread(fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=fn.__name__)
+    future = pool.submit(fn, *args)
+    pool.shutdown(wait=False)
+    return future
+
+
+def _import_sections() -> None:
+    """Import the sections' modules, and matplotlib for the report (run in a thread)."""
+    for name in _SECTION_MODULES:
+        importlib.import_module(f"benchmarks.{name}")
+    importlib.import_module("benchmarks.report").preload()
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -39,16 +60,16 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
     parser.add_argument(
         "--sections",
-        default=",".join(schema.SECTIONS),
-        help=f"comma-separated subset of {','.join(schema.SECTIONS)} (default: all)",
+        default=",".join(SECTIONS),
+        help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)",
     )
     parser.add_argument("--no-progress", action="store_true", help="plain progress lines instead of a bar")
     args = parser.parse_args(argv)
     requested = [s for s in args.sections.split(",") if s]
-    unknown = set(requested) - set(schema.SECTIONS)
+    unknown = set(requested) - set(SECTIONS)
     if unknown or not requested:
-        parser.error(f"unknown or no sections {sorted(unknown)}; choose from {','.join(schema.SECTIONS)}")
-    args.sections = tuple(s for s in schema.SECTIONS if s in requested)  # always in the run's order
+        parser.error(f"unknown or no sections {sorted(unknown)}; choose from {','.join(SECTIONS)}")
+    args.sections = tuple(s for s in SECTIONS if s in requested)
     return args
 
 
@@ -76,14 +97,24 @@ def _guarded(errors: dict[str, str], phases: _Phases, section: str, body: Callab
         phases.mark(section)
 
 
+def _start_probes(plan: Plan, sections: tuple[str, ...]) -> Probes | None:
+    """The measuring actors, if a section needs them (created now, ready in ``_deploy``)."""
+    from benchmarks.probes import Probes
+
+    if not {"fetch", "registry", "memory"} & set(sections):
+        return None
+    return Probes.start(plan.fetch_ranks, list(SIZES))
+
+
 def _deploy(ctx: Context, sections: tuple[str, ...]) -> standin.StandInApp | None:
-    """Every app and probe actor the sections need, started at once before anything is
-    timed (the apps are then left idle until the end: deleting one costs more than it idles)."""
+    """Every app the sections need, started at once before anything is timed (the apps
+    are then left idle until the end: deleting one costs more than it idles)."""
     from ray import serve
     from ray.serve import RunTarget
 
+    from benchmarks import end_to_end, staging, standin
+
     uses_standin = bool({"fetch", "staging", "registry", "memory"} & set(sections))
-    ctx.probes = Probes.start(max(ctx.plan.fetch_ranks, lifecycle.RECEIVE_COUNT, 2), list(SIZES))
     targets = []
     registry_name = ctx.name("bench_registry")
     if uses_standin:
@@ -94,7 +125,8 @@ def _deploy(ctx: Context, sections: tuple[str, ...]) -> standin.StandInApp | Non
             app = end_to_end.app_name(model)
             targets.append(RunTarget(end_to_end.application(ctx, model), name=app, route_prefix=f"/{app}"))
     serve.run_many(targets)
-    ctx.probes.ready()
+    if ctx.probes is not None:
+        ctx.probes.ready()
     return standin.connect(registry_name, ctx.cluster["namespace"]) if uses_standin else None
 
 
@@ -102,31 +134,47 @@ def _retire_standin(ctx: Context, app: standin.StandInApp) -> None:
     """Remove the stand-in app, its registry and the probe actors once no section needs them."""
     from ray import serve
 
+    from benchmarks import standin
+
     ray.kill(app.registry)
-    for actor in (*ctx.probes.ranks, ctx.probes.noop):
-        ray.kill(actor)
+    if ctx.probes is not None:
+        for actor in (*ctx.probes.ranks, ctx.probes.noop):
+            ray.kill(actor)
     serve.delete(standin.APP, _blocking=ctx.plan.blocking_cleanup)
 
 
-def run(plan: Plan, sections: tuple[str, ...], progress_bar: bool = True) -> dict[str, Any]:
-    steps = {
-        "fetch": fetch.steps(plan),
-        "staging": staging.steps(plan),
-        "registry": lifecycle.steps(plan),
-        "memory": memory.steps(plan),
-        "e2e": end_to_end.steps(plan),
-    }
-    progress = Progress(3 + sum(steps[s] for s in sections), enabled=progress_bar)
+def run(plan: Plan, sections: tuple[str, ...], progress_bar: bool = True, out_dir: str | None = None) -> dict[str, Any]:
+    """Run ``sections``; return the results document. With ``out_dir``, the plots are drawn
+    there while the cluster shuts down (they need the figures only)."""
     results, errors, phases = Results(), {}, _Phases()
+    plotting: concurrent.futures.Future | None = None
     token = run_token()
     started = datetime.datetime.now(datetime.timezone.utc)
     wall = time.perf_counter()
-    info = machine()
+    load_at_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    loading = _in_thread(_import_sections)
+    progress: Progress | None = None
+    print("starting a local Ray cluster", file=sys.stderr, flush=True)
     try:
         with local_cluster(f"epd-bench-{token}") as cluster:
+            # The probes first: their processes start while Serve's controller and proxy do.
+            probes = _start_probes(plan, sections)
+            cluster.update(start_serve())
+            loading.result()
+            from benchmarks import end_to_end, fetch, lifecycle, memory, report, schema, staging
+
+            steps = {
+                "fetch": fetch.steps(plan),
+                "staging": staging.steps(plan),
+                "registry": lifecycle.steps(plan),
+                "memory": memory.steps(plan),
+                "e2e": end_to_end.steps(plan),
+            }
+            progress = Progress(3 + sum(steps[s] for s in sections), enabled=progress_bar)
+            info = {**machine(), "load_avg_at_start": load_at_start}
             phases.mark("cluster_up")
             progress.step("cluster up")
-            ctx = Context(plan=plan, results=results, progress=progress, cluster=cluster, token=token)
+            ctx = Context(plan=plan, results=results, progress=progress, cluster=cluster, token=token, probes=probes)
             app = _deploy(ctx, sections)
             phases.mark("deploy")
             progress.step("apps deployed")
@@ -148,7 +196,7 @@ def run(plan: Plan, sections: tuple[str, ...], progress_bar: bool = True) -> dic
                 "e2e": lambda: end_to_end.run(ctx),
                 "staging_prealloc": run_prefaulted,
             }
-            order = [s for s in ("staging", "fetch", "registry", "memory", "e2e") if s in sections]
+            order = [s for s in RUN_ORDER if s in sections]
             if "staging" in sections:
                 anchor = [s for s in order if s != "e2e"][-1] if plan.prefaulted_setup_overlaps else "staging"
                 order.insert(order.index(anchor) + 1, "staging_prealloc")
@@ -162,10 +210,13 @@ def run(plan: Plan, sections: tuple[str, ...], progress_bar: bool = True) -> dic
             finally:
                 if prefaulted is not None:
                     prefaulted.close()  # never leave the node running (an error above)
+            if out_dir is not None:
+                plotting = _in_thread(report.write_plots, {"figures": results.figures}, out_dir)
         phases.mark("cluster_down")
         progress.step("cluster down")
     finally:
-        progress.close()
+        if progress is not None:
+            progress.close()
     info["load_avg_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     doc: dict[str, Any] = {
         "schema_version": schema.SCHEMA_VERSION,
@@ -187,6 +238,8 @@ def run(plan: Plan, sections: tuple[str, ...], progress_bar: bool = True) -> dic
     }
     if errors:
         doc["errors"] = errors
+    if plotting is not None:
+        plotting.result()
     return doc
 
 
@@ -194,10 +247,12 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     plan = Plan.quick() if args.quick else Plan.default()
     os.makedirs(args.out, exist_ok=True)
-    doc = run(plan, args.sections, progress_bar=not args.no_progress)
+    doc = run(plan, args.sections, progress_bar=not args.no_progress, out_dir=args.out)
+    from benchmarks import report, schema  # loaded by run()
+
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(doc, f, indent=1)
-    report.write_all(doc, args.out)
+    report.write_markdown(doc, args.out)
     problems = schema.validate(doc)
     met, total = doc["summary"]["targets_met"], doc["summary"]["targets_total"]
     print(

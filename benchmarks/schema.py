@@ -36,11 +36,10 @@ import math
 from typing import Any
 
 from benchmarks import end_to_end, lifecycle, memory, staging, standin
-from benchmarks.plan import SIZES, Plan
+from benchmarks.plan import SECTIONS, SIZES, Plan
 from benchmarks.stats import figure_id, size_label
 
 SCHEMA_VERSION = 1
-SECTIONS = ("fetch", "staging", "registry", "memory", "e2e")
 UNITS = {"s", "s/MB", "B", "1/s", "images/s", "calls", "parameters", "threads"}
 MACHINE_KEYS = {"cpu_count", "ram_bytes", "gpu", "python", "torch", "ray"}
 # Differences and leftovers: finite, but noise can make them zero or negative.

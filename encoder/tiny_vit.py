@@ -89,12 +89,16 @@ class TinyViT(nn.Module):
     def __init__(self, cfg: TinyViTConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.patch_embed = nn.Linear(3 * cfg.patch_size**2, cfg.hidden_size)
-        self.blocks = nn.ModuleList(_Block(cfg.hidden_size, cfg.num_heads) for _ in range(cfg.depth))
-        self.norm = nn.LayerNorm(cfg.hidden_size)
-        self.projector = nn.Sequential(
-            nn.Linear(cfg.hidden_size, cfg.out_size), nn.GELU(), nn.Linear(cfg.out_size, cfg.out_size)
-        )
+        # Built on the meta device: the layers' own random init would be overwritten below
+        # anyway, and for a ViT-B-sized tower it costs as much CPU as the init that counts.
+        with torch.device("meta"):
+            self.patch_embed = nn.Linear(3 * cfg.patch_size**2, cfg.hidden_size)
+            self.blocks = nn.ModuleList(_Block(cfg.hidden_size, cfg.num_heads) for _ in range(cfg.depth))
+            self.norm = nn.LayerNorm(cfg.hidden_size)
+            self.projector = nn.Sequential(
+                nn.Linear(cfg.hidden_size, cfg.out_size), nn.GELU(), nn.Linear(cfg.out_size, cfg.out_size)
+            )
+        self.to_empty(device="cpu")
         generator = torch.Generator().manual_seed(cfg.seed)
         with torch.no_grad():
             for name, param in self.named_parameters():
