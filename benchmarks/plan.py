@@ -72,7 +72,7 @@ class Plan:
             mode="quick",
             fetch_rounds=1,
             fetch_ranks=4,
-            staging_rounds=3,
+            staging_rounds=2,
             staging_cold_items=4,
             raw_calls=300,
             lifecycles=40,
