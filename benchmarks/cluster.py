@@ -53,7 +53,9 @@ def run_token() -> str:
 def local_cluster(namespace: str) -> Iterator[dict[str, Any]]:
     """Start a fresh local Ray cluster (no Serve yet: ``start_serve``); yield its settings."""
     os.environ.pop("RAY_ADDRESS", None)
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if str(REPO_ROOT) not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), *paths]))
     ray.init(
         address="local",
         num_cpus=CLUSTER_CPUS,
