@@ -3,10 +3,10 @@
 Order: one local Ray cluster of this run's own; the stand-in app (the real
 Ingress and registry) for staging (on the head node's store, then on a second,
 pre-faulted node: ``benchmarks.staging``), fetch, registry and memory; the real
-apps for end to end; the cluster is shut down; last, results.json, results.md
-and the plots are written. A section that fails is recorded under ``errors`` and
-the others still run; the exit status is then 1. Targets that are not met do not
-change the exit status: they are findings, not failures.
+apps for end to end; the cluster is shut down (the plots are drawn meanwhile);
+last, results.json and results.md are written. A section that fails is recorded
+under ``errors`` and the others still run; the exit status is then 1. Targets
+that are not met do not change the exit status: they are findings, not failures.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ _SECTION_MODULES = ("end_to_end", "fetch", "lifecycle", "memory", "probes", "rep
 
 
 def _in_thread(fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+    """Run ``fn(*args)`` in a thread of its own; its future."""
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=fn.__name__)
     future = pool.submit(fn, *args)
     pool.shutdown(wait=False)
