@@ -27,7 +27,6 @@ from typing import Any
 
 import ray
 
-from registry.encoding import EncoderClient
 from registry.errors import InvalidRequest, NotReady, RegistryError, Unavailable
 from registry.inputs import MediaInput
 from registry.metrics import RegistryMetrics
@@ -83,6 +82,11 @@ class EmbeddingRegistry:
         self._timer: asyncio.Task | None = None
         self._publisher: asyncio.Task | None = None
         self._metrics_stale = False
+        # Imported here, not with the module: Ray loads this class, for its methods'
+        # signatures, in every process that calls the registry, decoder ranks included, and
+        # the encoder client brings Serve and FastAPI (0.6 CPU-s on a rank's first fetch).
+        from registry.encoding import EncoderClient
+
         self._encoder = EncoderClient(settings.encoder_app, settings.encoder_deployment, settings.cache_max_bytes)
         self._started_at = time.time()
         # After a crash Ray re-runs this constructor: the table and every object it owned are

@@ -249,6 +249,12 @@ class RankActor:
         self.held.clear()
         return count
 
+    def loaded(self, modules: list[str]) -> list[str]:
+        """Which of ``modules`` this process has imported."""
+        import sys
+
+        return [m for m in modules if m in sys.modules]
+
 
 def _raw(tensor) -> bytes:
     import torch
