@@ -78,10 +78,10 @@ class Plan:
             lifecycles=40,
             lifecycle_concurrency=(16,),
             memory_burst=8,
-            e2e_concurrency=(4,),  # also the in-process batch: half the ViT-B passes of 8
+            e2e_concurrency=(2,),  # also the in-process batch: a quarter of the ViT-B passes of 8
             e2e_window_s=1.0,
             e2e_warmup_s=0.2,
-            e2e_warmup_images=2,
+            e2e_warmup_images=1,  # per path: one batch of 2, the shape measured
             inprocess_s=0.3,
             image_pool=32,
             prefaulted_setup_overlaps=True,
