@@ -174,6 +174,11 @@ def executed_tasks(actor: Any) -> int:
     raise RuntimeError("the actor's worker was not found in any raylet's stats")
 
 
+def load_average() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages (None where the platform has none)."""
+    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+
+
 def machine() -> dict[str, Any]:
     """What the figures were measured on."""
     import numpy
@@ -199,5 +204,4 @@ def machine() -> dict[str, Any]:
         "ray": ray.__version__,
         "numpy": numpy.__version__,
         "executable": sys.executable,
-        "load_avg_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }

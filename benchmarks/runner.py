@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import ray
 
-from benchmarks.cluster import local_cluster, machine, run_token, start_serve
+from benchmarks.cluster import load_average, local_cluster, machine, run_token, start_serve
 from benchmarks.cpu import CpuLedger
 from benchmarks.plan import RUN_ORDER, SECTIONS, SIZES, Context, Plan, Progress
 from benchmarks.stats import Results
@@ -152,7 +152,7 @@ def run(plan: Plan, sections: tuple[str, ...], progress_bar: bool = True, out_di
     token = run_token()
     started = datetime.datetime.now(datetime.timezone.utc)
     wall = time.perf_counter()
-    load_at_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    load_at_start = load_average()  # before this run adds any
     loading = _in_thread(_import_sections)
     progress: Progress | None = None
     print("starting a local Ray cluster", file=sys.stderr, flush=True)
@@ -218,7 +218,7 @@ def run(plan: Plan, sections: tuple[str, ...], progress_bar: bool = True, out_di
     finally:
         if progress is not None:
             progress.close()
-    info["load_avg_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    info["load_avg_at_end"] = load_average()
     doc: dict[str, Any] = {
         "schema_version": schema.SCHEMA_VERSION,
         "tool": "python -m benchmarks",
