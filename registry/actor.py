@@ -31,9 +31,11 @@ from registry.errors import InvalidRequest, NotReady, RegistryError, Unavailable
 from registry.inputs import MediaInput
 from registry.metrics import RegistryMetrics
 from registry.settings import RegistrySettings
-from registry.state import PENDING, RELEASED, STAGED, Entry, Limits, RegistryState, StagedItem, ended_error
+from registry.state import PENDING, RELEASED, STAGED, Entry, FetchResult, Limits, RegistryState, StagedItem, ended_error
 
 MAX_WAIT_S = 3600.0
+# Most req_ids one ``states`` or ``watch`` call may name.
+MAX_IDS_PER_CALL = 100_000
 # Ray's metrics are scraped every few seconds; the table's gauges are published this often.
 _METRICS_PERIOD_S = 0.5
 # How long report_lost tries to read an object before calling it unreadable (not lost).
@@ -44,6 +46,13 @@ def _check_wait(value: float, name: str, req_id: str | None) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_WAIT_S or math.isnan(value):
         raise InvalidRequest(f"{name} must be a number of seconds between 0 and {MAX_WAIT_S:.0f}, got {value!r}", req_id)
     return float(value)
+
+
+def _check_ids(req_ids: Any, name: str) -> None:
+    if not isinstance(req_ids, (list, dict)) or len(req_ids) > MAX_IDS_PER_CALL or not all(
+        isinstance(req_id, str) for req_id in req_ids
+    ):
+        raise InvalidRequest(f"{name} must be a list (or dict) of at most {MAX_IDS_PER_CALL} req_id strings", None)
 
 
 def _effective_limits(settings: RegistrySettings) -> Limits:
@@ -77,6 +86,7 @@ class EmbeddingRegistry:
         self._changed: dict[str, asyncio.Event] = {}
         self._waiting: _Count[str] = _Count()
         self._submitters: _Count[str] = _Count()  # submit calls waiting, per req_id
+        self._watchers: dict[str, set[asyncio.Event]] = {}  # req_id -> the watch calls naming it
         self._encode_tasks: dict[str, asyncio.Task] = {}
         self._timer_wake = asyncio.Event()
         self._timer: asyncio.Task | None = None
@@ -199,6 +209,60 @@ class EmbeddingRegistry:
         The caller becomes a borrower of the refs, so it keeps the bytes alive after
         the registry releases them.
         """
+        result = await self._receive(req_id, rank, timeout_s)
+        return [(item.meta, item.ref) for item in result.items]
+
+    async def acknowledge(self, req_id: str, rank: int, timeout_s: float = 0.0) -> dict[str, Any]:
+        """Count ``rank`` as a receiver without handing it the items: for a rank that
+        already holds them (a decoder's own cache), so the entry is not kept until its
+        ttl waiting for a fetch that will never come. Same rules and errors as ``fetch``.
+        Returns ``{"req_id", "rank", "released"}``.
+        """
+        result = await self._receive(req_id, rank, timeout_s)
+        return {"req_id": req_id, "rank": rank, "released": result.released}
+
+    async def states(self, req_ids: list[str]) -> dict[str, str]:
+        """The state of each req_id (an entry's, a tombstone's, or ``"unknown"``), in one call."""
+        _check_ids(req_ids, "req_ids")
+        now = time.time()
+        return {req_id: self._state.state_of(req_id, now) for req_id in req_ids}
+
+    async def watch(self, known: dict[str, str | None], timeout_s: float) -> dict[str, str]:
+        """The req_ids whose state differs from ``known`` (``None``: not known to the caller),
+        with their states: at once if any differs, else as soon as one changes, else ``{}``
+        after ``timeout_s``. A long poll: a scheduler keeps one in flight to keep a local
+        view of many entries current without asking per entry.
+        """
+        _check_ids(known, "known")
+        deadline = time.monotonic() + _check_wait(timeout_s, "timeout_s", None)
+        wake = asyncio.Event()
+        for req_id in known:
+            self._watchers.setdefault(req_id, set()).add(wake)
+        try:
+            while True:
+                now = time.time()
+                changed = {
+                    req_id: state for req_id, was in known.items() if (state := self._state.state_of(req_id, now)) != was
+                }
+                remaining = deadline - time.monotonic()
+                if changed or remaining <= 0:
+                    return changed
+                wake.clear()
+                try:
+                    await asyncio.wait_for(wake.wait(), remaining)
+                except TimeoutError:
+                    pass
+        finally:
+            for req_id in known:
+                watchers = self._watchers.get(req_id)
+                if watchers is not None:
+                    watchers.discard(wake)
+                    if not watchers:
+                        del self._watchers[req_id]
+
+    async def _receive(self, req_id: str, rank: int, timeout_s: float) -> FetchResult:
+        """Wait until ``req_id`` is staged and count ``rank`` as a receiver (``fetch`` and
+        ``acknowledge``)."""
         started = time.monotonic()
         deadline = started + _check_wait(timeout_s, "timeout_s", req_id)
         while True:
@@ -212,7 +276,7 @@ class EmbeddingRegistry:
                 self._metrics.fetches.inc(tags={"result": "released" if result.released else "ok"})
                 if result.released:
                     self._changed_now(req_id)
-                return [(item.meta, item.ref) for item in result.items]
+                return result
             remaining = deadline - time.monotonic()
             lost_by = self._lost_deadline(req_id, started)
             if lost_by is not None and time.monotonic() >= lost_by:
@@ -308,6 +372,8 @@ class EmbeddingRegistry:
         event = self._changed.pop(req_id, None)
         if event is not None:
             event.set()
+        for wake in self._watchers.get(req_id, ()):
+            wake.set()
         encode_task = self._encode_tasks.get(req_id)
         if encode_task is not None and not self._state.is_live(req_id):
             encode_task.cancel()  # cancelled or expired while encoding: stop the model work

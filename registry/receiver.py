@@ -5,6 +5,7 @@
     rx = EmbeddingReceiver(rank=tp_rank)          # in each rank's process
     items = rx.fetch(req_id, timeout_s=30.0)      # or: await rx.fetch_async(...)
     items[0].tensor, items[0].meta
+    rx.acknowledge(other_req_id)                  # already held: count this rank, read nothing
 
 A fetch is two steps: ask the registry (which waits until the request is staged,
 records this rank, and hands back ObjectRefs), then read the objects. Reading is
@@ -131,6 +132,20 @@ class EmbeddingReceiver:
         except Exception as exc:  # noqa: BLE001
             raise _translate(exc, req_id) from None
         return _items(pairs, values)
+
+    def acknowledge(self, req_id: str, timeout_s: float = 0.0) -> bool:
+        """Count this rank as a receiver of ``req_id`` without reading its bytes.
+
+        For a rank that already holds the items (its own cache hit): the entry is
+        released after its last rank as if this one had fetched, instead of waiting
+        for its ttl. Same rules and errors as ``fetch`` (``timeout_s`` waits while
+        pending). Returns True if this released the entry.
+        """
+        try:
+            call = self._handle().acknowledge.remote(req_id, self.rank, timeout_s)
+            return ray.get(call, timeout=timeout_s + _CALL_GRACE_S)["released"]
+        except Exception as exc:  # noqa: BLE001
+            raise _translate(exc, req_id) from None
 
     def _report_lost(self, req_id: str) -> None:
         """Tell the registry this request's objects are gone, so it ends the entry and the

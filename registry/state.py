@@ -40,7 +40,9 @@ Rules:
 
 Who calls what: the ingress ``accept``s, ``cancel``s and ``describe``s; the
 registry's encode task ``stage``s or ``fail``s; ranks ``fetch`` (and report
-objects they found lost, which the registry checks before calling ``lose``); a timer calls
+objects they found lost, which the registry checks before calling ``lose``); a rank
+that already holds the bytes acknowledges with the same ``fetch`` and ignores the
+items; schedulers read ``state_of`` for many req_ids at once; a timer calls
 ``expire_due`` at ``next_deadline``. Time is passed in (``now``, seconds) so tests
 drive the clock. ``fetch`` returning ``None`` means "not yet": the caller waits
 for a change to that ``req_id`` (the actor uses events, never polling).
@@ -71,6 +73,9 @@ from registry.errors import (
 PENDING, STAGED, RELEASED, EXPIRED, CANCELLED, FAILED = (
     "pending", "staged", "released", "expired", "cancelled", "failed",
 )
+# What ``state_of`` answers for a req_id with no entry and no tombstone: never seen,
+# aged out, or lost with a registry restart.
+UNKNOWN = "unknown"
 LIVE_STATES = (PENDING, STAGED)
 TERMINAL_STATES = (RELEASED, EXPIRED, CANCELLED, FAILED)
 
@@ -332,6 +337,15 @@ class RegistryState:
 
     def is_live(self, req_id: str) -> bool:
         return req_id in self._live
+
+    def state_of(self, req_id: str, now: float) -> str:
+        """The state of ``req_id``'s entry or tombstone, else ``UNKNOWN``. Never raises."""
+        entry = self._live.get(req_id)
+        if entry is not None:
+            return entry.state
+        self._prune(now)
+        entry = self._ended.get(req_id)
+        return UNKNOWN if entry is None else entry.state
 
     def stats(self, now: float) -> dict[str, int]:
         self._prune(now)

@@ -266,3 +266,22 @@ def test_admission_projects_staged_bytes_over_pending_requests():
         state.accept("d", "d", 1, 0.0)  # 400 + 1 pending x 200 >= 500
     state.fetch("a", 0, 1.0)  # released: 200 staged + 200 projected < 500
     assert state.accept("d", "d", 1, 1.0)[1]
+
+
+def test_state_of_follows_every_state_and_ages_out_to_unknown(state):
+    assert state.state_of("r", 0.0) == "unknown"
+    entry, _ = state.accept("r", "d", 2, 0.0)
+    assert state.state_of("r", 0.0) == "pending"
+    state.stage(entry, staged_items(1), 1.0)
+    assert state.state_of("r", 1.0) == "staged"
+    state.fetch("r", 0, 1.0)
+    assert state.state_of("r", 1.0) == "staged"
+    state.fetch("r", 1, 1.0)
+    assert state.state_of("r", 1.0) == "released"
+    stage_new(state, "c")
+    state.cancel("c", 2.0)
+    assert state.state_of("c", 2.0) == "cancelled"
+    stage_new(state, "e", now=2.0)
+    state.expire_due(20.0)
+    assert state.state_of("e", 20.0) == "expired"
+    assert state.state_of("r", 200.0) == "unknown"  # its tombstone aged out
