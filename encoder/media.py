@@ -1,7 +1,9 @@
 """Image bytes into pixels, safely, and the error every media problem raises.
 
 ``open_image`` runs in the encoder replica: it reads the image header, checks
-the pixel count *before* decoding (decompression bombs), then decodes.
+the pixel count *before* decoding (decompression bombs), then decodes, turns the
+image upright by its EXIF orientation and composites any transparency onto white,
+as vLLM and transformers do.
 (Request items become bytes earlier, in the ingress: ``encoder.items``.)
 
 Every failure raises ``MediaError`` with a message that says what to fix; the
@@ -10,9 +12,10 @@ serving layer maps it to the ``invalid_request`` code.
 
 from __future__ import annotations
 
+import contextlib
 import io
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 SUPPORTED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
 
@@ -46,4 +49,21 @@ def open_image(data: bytes, *, max_pixels: int, min_side: int) -> Image.Image:
         image.load()
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
         raise MediaError(f"the image data is corrupt or truncated ({exc.__class__.__name__})") from None
+    # Turned upright as its EXIF orientation says, as vLLM (and transformers' load_image)
+    # do: a camera photo would otherwise embed sideways here and upright in the engine.
+    with contextlib.suppress(Exception):  # a malformed EXIF block leaves the image as stored
+        image = ImageOps.exif_transpose(image)
+    return _to_rgb(image)
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    """``image`` as RGB, with any transparency composited onto white."""
+    # As transformers' convert_to_rgb and vLLM's convert_image_mode do: convert("RGB")
+    # alone keeps the colour under transparent pixels, so the same file would embed
+    # differently here than in the reference processors. The test is transformers':
+    # an alpha band, or a "transparency" entry (tRNS in P, L, RGB and 1 images).
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        image = image.convert("RGBA")
+        white = Image.new("RGBA", image.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, image).convert("RGB")
     return image.convert("RGB")
