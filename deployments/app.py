@@ -1,4 +1,5 @@
-"""Building the Serve application: ``build_app`` for config files, ``compose_app`` for Python."""
+"""Building the Serve applications: ``build_app`` for config files, ``compose_app`` for Python,
+and ``build_proxy_app`` for the OpenAI-compatible proxy in front of a vLLM server."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ from typing import Any
 from pydantic import ValidationError
 from ray.serve import Application
 
-from deployments.config import AppConfig
+from deployments.config import AppConfig, ProxyConfig
 from deployments.encoder import Encoder
 from deployments.ingress import Ingress
+from deployments.proxy import EPDProxy
 from deployments.schemas import describe_validation_error
 
 
@@ -23,6 +25,30 @@ def build_app(args: dict[str, Any]) -> Application:
     Serve options per deployment under ``deployments:``.
     """
     return compose_app(args)
+
+
+def build_proxy_app(args: dict[str, Any]) -> Application:
+    """The ``EPDProxy`` app: validate ``args`` (see ``ProxyConfig``), build it.
+
+    It stages the images of OpenAI chat requests in the encoder app named
+    ``encoder_app`` (deploy that one too) and forwards the requests to ``vllm_url``::
+
+        from ray import serve
+        from deployments import build_proxy_app
+        serve.run(build_proxy_app({"vllm_url": "http://127.0.0.1:8100", "tensor_parallel_size": 2}),
+                  name="epd-proxy", route_prefix="/proxy")
+
+    YAML: ``import_path: deployments.app:build_proxy_app``, the ``ProxyConfig`` keys under
+    ``args``, Serve options under ``deployments: [{name: EPDProxy, ...}]``.
+
+    Raises:
+        ValueError: ``args`` is not a valid ``ProxyConfig``; the message names the field.
+    """
+    try:
+        config = ProxyConfig.model_validate(args or {})
+    except ValidationError as exc:
+        raise ValueError(describe_validation_error(exc).replace("invalid request", "invalid epd proxy args")) from None
+    return EPDProxy.bind(config.model_dump())
 
 
 def compose_app(

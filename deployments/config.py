@@ -1,4 +1,4 @@
-"""The app's configuration: one pydantic model for ``serve_config.yaml``'s ``args``.
+"""The configuration: one pydantic model per app's ``args`` (``AppConfig``; ``ProxyConfig`` for the proxy).
 
 Every field has a default and a description; a bad value fails ``serve run``
 with a message naming the field. Python::
@@ -25,9 +25,10 @@ live in the config file's ``deployments:`` list, not here.
 
 from __future__ import annotations
 
+import urllib.parse
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from encoder import DTYPES, FAMILIES, EncoderSpec, MediaError, MediaPolicy
 from registry import DEFAULT_REGISTRY_NAME, DEFAULT_REGISTRY_NAMESPACE, Limits, RegistrySettings
@@ -179,3 +180,41 @@ class AppConfig(BaseModel):
             max_concurrency=self.registry_max_concurrency,
             cache_max_bytes=self.cache_max_bytes,
         )
+
+
+class ProxyConfig(BaseModel):
+    """The ``EPDProxy`` app's ``args``: the vLLM server it fronts and the encoder app it stages into.
+
+    YAML (a second application beside ``epd``)::
+
+        applications:
+          - name: epd-proxy
+            route_prefix: /proxy
+            import_path: deployments.app:build_proxy_app
+            args:
+              vllm_url: http://127.0.0.1:8000/llm
+              tensor_parallel_size: 2
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    vllm_url: str = Field(
+        "http://127.0.0.1:8000/llm",
+        description="Base URL of the OpenAI-compatible vLLM server (http or https; /v1/... is appended).",
+    )
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=4096, description="The vLLM instance's TP size: how many ranks fetch each staged item (its receive_count)."
+    )
+    encoder_app: str = Field("epd", min_length=1, description="Name of the Serve application of this encoder service.")
+    timeout_s: float = Field(600.0, gt=0, description="Seconds for one upstream request (and for its items to be staged).")
+    max_request_bytes: int = Field(64 * _MiB, ge=1, description="Largest chat request body, in bytes (else 413).")
+
+    @field_validator("vllm_url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        parts = urllib.parse.urlsplit(value.strip())
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"vllm_url must be an http:// or https:// URL with a host, got {value!r}")
+        if parts.query or parts.fragment:
+            raise ValueError(f"vllm_url must be a base URL without query or fragment, got {value!r}")
+        return urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/"), "", ""))

@@ -159,6 +159,11 @@ class Ingress:
         """Encode and stage ``body`` (the ``POST /v1/encode`` body); returns the entry."""
         return await self._encode(parse_encode_request(body))
 
+    async def describe(self, req_id: str, wait_s: float = 0.0) -> dict[str, Any]:
+        """The entry of ``req_id`` (the ``GET /v1/requests/{req_id}`` body); with ``wait_s``,
+        wait up to that long while it is pending. Ended entries carry ``"error"``."""
+        return await self._call("describe", req_id, wait_s)
+
     async def _encode(self, request: EncodeRequest) -> dict[str, Any]:
         cfg = self._config
         req_id = request.req_id or uuid.uuid4().hex

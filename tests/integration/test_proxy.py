@@ -1,0 +1,298 @@
+"""``EPDProxy`` in front of a stand-in vLLM server: image parts are staged under a
+content-derived ``uuid`` set on the forwarded parts, answers and streams pass through,
+errors keep the service's codes.
+
+The stand-in is a real HTTP server (a thread of this process) that records every
+request and answers like vLLM's OpenAI server; the TP ranks that fetch the staged
+items are the session's ``RankActor``s, as vLLM's connector would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import http.server
+import json
+import re
+import threading
+from typing import Any
+
+import httpx
+import pytest
+import ray
+from ray import serve
+
+from deployments import build_proxy_app
+from deployments.schemas import REQ_ID_PATTERN
+from support import data_url, image_bytes, image_item, wait_until
+
+TP = 2
+MODELS = {"object": "list", "data": [{"id": "stand-in", "object": "model", "owned_by": "vllm"}]}
+COMPLETION = {
+    "id": "chatcmpl-standin",
+    "object": "chat.completion",
+    "model": "stand-in",
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "two images"}, "finish_reason": "stop"}],
+}
+CHUNKS = [
+    {"id": "chatcmpl-standin", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": word}}]}
+    for word in ("one ", "two ", "three")
+]
+SSE = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in CHUNKS) + "data: [DONE]\n\n"
+UPSTREAM_ERROR = {"error": {"message": "The model `missing` does not exist.", "type": "NotFoundError", "code": 404}}
+
+
+@dataclasses.dataclass
+class StandIn:
+    """What the stand-in vLLM server saw, and the switch that holds a stream after its first chunk."""
+
+    url: str
+    requests: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    gate: threading.Event | None = None  # set: a stream waits for it after its first chunk
+    gate_opened: list[bool] = dataclasses.field(default_factory=list)  # per held stream: opened in time
+
+    def chats(self) -> list[dict[str, Any]]:
+        return [r for r in self.requests if r["path"] == "/llm/v1/chat/completions"]
+
+
+@contextlib.contextmanager
+def stand_in_vllm():
+    """A vLLM-like OpenAI server on 127.0.0.1, under the path prefix ``/llm``."""
+    state = StandIn(url="")
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _record(self, body: Any) -> None:
+            state.requests.append({"path": self.path, "headers": {k.lower(): v for k, v in self.headers.items()}, "json": body})
+
+        def _send(self, status: int, body: bytes, content_type: str) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):  # noqa: N802 - the stdlib's name
+            self._record(None)
+            if self.path == "/llm/v1/models":
+                self._send(200, json.dumps(MODELS).encode(), "application/json")
+            else:
+                self._send(404, b'{"detail": "Not Found"}', "application/json")
+
+        def do_POST(self):  # noqa: N802
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+            self._record(body)
+            if self.path != "/llm/v1/chat/completions":
+                return self._send(404, b'{"detail": "Not Found"}', "application/json")
+            if body.get("model") == "missing":
+                return self._send(404, json.dumps(UPSTREAM_ERROR).encode(), "application/json")
+            if body.get("model") == "hang-up":
+                self.close_connection = True  # no answer at all: the connection just closes
+                return None
+            if not body.get("stream"):
+                return self._send(200, json.dumps(COMPLETION).encode(), "application/json")
+            # HTTP/1.0 without Content-Length: the stream ends when the connection closes.
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            events = SSE.split("\n\n")[:-1]
+            for n, event in enumerate(events):
+                self.wfile.write(f"{event}\n\n".encode())
+                self.wfile.flush()
+                if n == 0 and state.gate is not None:
+                    state.gate_opened.append(state.gate.wait(10))
+            return None
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    state.url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        yield state
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@dataclasses.dataclass
+class Proxy:
+    client: httpx.Client  # the proxy's routes, no API token of the epd app
+    upstream: StandIn
+
+
+@pytest.fixture(scope="module")
+def proxy(cluster):
+    with stand_in_vllm() as upstream:
+        args = {
+            "vllm_url": f"{upstream.url}/llm/",  # the trailing slash is stripped
+            "tensor_parallel_size": TP,
+            "max_request_bytes": 1024 * 1024,
+            "timeout_s": 60,
+        }
+        serve.run(build_proxy_app(args), name="epd-proxy", route_prefix="/proxy")
+        try:
+            with httpx.Client(base_url=f"{cluster.url}/proxy", timeout=60) as client:
+                wait_until(lambda: client.get("/v1/models").status_code == 200, 60, what="the proxy to answer")
+                yield Proxy(client=client, upstream=upstream)
+        finally:
+            serve.delete("epd-proxy")
+
+
+def image_part(data: bytes, **extra: Any) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": data_url(data), **extra}}
+
+
+def chat(*parts: dict[str, Any], model: str = "stand-in", stream: bool = False) -> dict[str, Any]:
+    return {
+        "model": model,
+        "messages": [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": list(parts)}],
+        "stream": stream,
+    }
+
+
+def release(cluster, *uuids: str) -> None:
+    """Fetch every item with ranks 0..TP-1, as vLLM's connector would: releases them."""
+    results = ray.get([cluster.ranks[r].fetch.remote(u, digests=True) for u in uuids for r in range(TP)])
+    assert all("error" not in result for result in results), results
+
+
+def entry(cluster, req_id: str) -> dict[str, Any]:
+    return cluster.http.get(f"/v1/requests/{req_id}").json()
+
+
+def test_image_parts_are_staged_under_deterministic_uuids(cluster, proxy):
+    text = {"type": "text", "text": "What differs?"}
+    a, b = image_bytes(64, 64, seed=81), image_bytes(48, 64, seed=82)
+    part_a = image_part(a, detail="low")  # extra keys stay on the forwarded part, not in our item
+    body = chat(text, part_a, image_part(b))
+    response = proxy.client.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer sk-vllm"})
+    assert response.status_code == 200, response.text
+    assert response.json() == COMPLETION
+
+    sent = proxy.upstream.chats()[-1]
+    assert sent["headers"]["authorization"] == "Bearer sk-vllm"
+    assert sent["json"]["messages"][0] == body["messages"][0]
+    parts = sent["json"]["messages"][1]["content"]
+    assert parts[0] == text
+    uuid_a, uuid_b = parts[1].pop("uuid"), parts[2].pop("uuid")
+    assert parts[1:] == [part_a, image_part(b)]
+    assert uuid_a != uuid_b and all(re.fullmatch(REQ_ID_PATTERN, u) for u in (uuid_a, uuid_b))
+    for u in (uuid_a, uuid_b):
+        described = entry(cluster, u)
+        assert (described["state"], described["receive_count"], len(described["items"])) == ("staged", TP, 1), described
+
+    # The same image again while staged: the same uuid (twice in one request: once), joining the entry.
+    again = proxy.client.post("/v1/chat/completions", json=chat(image_part(a), image_part(a)))
+    assert again.status_code == 200, again.text
+    assert [p["uuid"] for p in proxy.upstream.chats()[-1]["json"]["messages"][1]["content"]] == [uuid_a, uuid_a]
+    release(cluster, uuid_a, uuid_b)
+    assert entry(cluster, uuid_a)["state"] == "released"
+
+    # And after vLLM received it: still the same uuid, forwarded (already_released is no error).
+    later = proxy.client.post("/v1/chat/completions", json=chat(image_part(a)))
+    assert later.status_code == 200 and later.json() == COMPLETION, later.text
+    assert proxy.upstream.chats()[-1]["json"]["messages"][1]["content"][0]["uuid"] == uuid_a
+    assert "authorization" not in proxy.upstream.chats()[-1]["headers"]
+
+
+def test_streams_pass_through_chunk_by_chunk(cluster, proxy):
+    proxy.upstream.gate = threading.Event()
+    received = b""
+    try:
+        with proxy.client.stream(
+            "POST", "/v1/chat/completions", json=chat(image_part(image_bytes(64, 64, seed=83)), stream=True)
+        ) as response:
+            assert response.status_code == 200, response.read()
+            assert response.headers["content-type"].startswith("text/event-stream")
+            for chunk in response.iter_bytes():
+                received += chunk
+                if b"\n\n" in received:  # a whole first event: only now may the stand-in go on
+                    proxy.upstream.gate.set()
+    finally:
+        proxy.upstream.gate.set()
+        proxy.upstream.gate = None
+    # The first event reached the client while the stand-in still held the rest: not buffered.
+    assert proxy.upstream.gate_opened == [True]
+    assert received.decode() == SSE
+    events = [e for e in received.decode().split("\n\n") if e]
+    assert events[-1] == "data: [DONE]" and [json.loads(e.removeprefix("data: ")) for e in events[:-1]] == CHUNKS
+    (part,) = proxy.upstream.chats()[-1]["json"]["messages"][1]["content"]
+    assert entry(cluster, part["uuid"])["state"] == "staged"
+    release(cluster, part["uuid"])
+
+
+def test_a_bad_data_uri_fails_the_request_before_forwarding(proxy):
+    before = len(proxy.upstream.chats())
+    bad = {"type": "image_url", "image_url": {"url": "data:image/png;base64,%%%"}}
+    response = proxy.client.post("/v1/chat/completions", json=chat({"type": "text", "text": "hi"}, bad))
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error["code"] == "invalid_request" and "messages[1].content[1]" in error["message"], error
+    assert len(proxy.upstream.chats()) == before
+
+
+def test_an_item_failing_in_the_encoder_answers_its_error(cluster, proxy):
+    truncated = image_bytes(64, 64, seed=84)[:300]  # decodes in the ingress, fails in the encoder
+    direct = cluster.http.post("/v1/encode", json={"items": [image_item(truncated)]})
+    assert direct.status_code >= 400, direct.text
+    response = proxy.client.post("/v1/chat/completions", json=chat(image_part(truncated)))
+    assert response.status_code == direct.status_code, response.text
+    error = response.json()["error"]
+    assert error["code"] == direct.json()["error"]["code"] and error["req_id"], error
+    assert entry(cluster, error["req_id"])["state"] == "failed"
+
+
+@pytest.mark.parametrize(
+    "content,status,code,text",
+    [
+        (b'{"messages": [', 422, "invalid_request", "not valid JSON"),
+        (b"[" * 100_000, 422, "invalid_request", "nested too deeply"),
+        (b"[1, 2]", 422, "invalid_request", "JSON object"),
+        (b'{"model": "stand-in"}', 422, "invalid_request", '"messages" must be a list'),
+        (b'{"messages": "hi"}', 422, "invalid_request", '"messages" must be a list'),
+        (b'{"messages": [{"role": "user", "content": ["hi"]}]}', 422, "invalid_request", "messages[0].content[0]"),
+        (b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', 422, "invalid_request", "image_url"),
+        (b"x" * (1024 * 1024 + 1), 413, "payload_too_large", "max_request_bytes"),
+    ],
+    ids=["invalid JSON", "deeply nested JSON", "not an object", "no messages", "messages not a list",
+         "part not an object", "image_url without url", "over max_request_bytes"],
+)
+def test_malformed_bodies_get_our_error_and_are_not_forwarded(proxy, content, status, code, text):
+    before = len(proxy.upstream.chats())
+    response = proxy.client.post("/v1/chat/completions", content=content, headers={"content-type": "application/json"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["code"] == code and text in error["message"], error
+    assert len(proxy.upstream.chats()) == before
+
+
+def test_upstream_errors_pass_through(proxy):
+    missing = proxy.client.post("/v1/chat/completions", json=chat({"type": "text", "text": "hi"}, model="missing"))
+    assert (missing.status_code, missing.json()) == (404, UPSTREAM_ERROR)
+    gone = proxy.client.post("/v1/chat/completions", json=chat({"type": "text", "text": "hi"}, model="hang-up"))
+    assert gone.status_code == 503, gone.text
+    assert gone.json()["error"]["code"] == "unavailable"
+
+
+def test_models_are_forwarded(proxy):
+    response = proxy.client.get("/v1/models", headers={"Authorization": "Bearer sk-vllm"})
+    assert response.status_code == 200 and response.json() == MODELS
+    last = proxy.upstream.requests[-1]
+    assert (last["path"], last["headers"]["authorization"]) == ("/llm/v1/models", "Bearer sk-vllm")
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        ({"vllm_url": "ftp://127.0.0.1/x"}, "vllm_url: Value error, vllm_url must be an http"),
+        ({"vllm_url": "http://127.0.0.1:8000/llm?x=1"}, "without query"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+        ({"timeout_s": 0}, "timeout_s"),
+        ({"vllm": "http://127.0.0.1"}, "vllm: Extra inputs are not permitted"),
+    ],
+)
+def test_bad_proxy_args_name_the_field(args, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build_proxy_app(args)
