@@ -62,6 +62,10 @@ class EngineView:
             if not users:  # nobody watched it: whatever was heard before is stale
                 self._states[identifier] = None
                 self._handed.discard(identifier)
+            elif self._states.get(identifier) not in (None, *_LIVE) and identifier not in self._handed:
+                # Decided for an earlier request and no longer watched since: it may have been
+                # staged (or encoded afresh) meanwhile, so a new request asks again.
+                self._states[identifier] = None
             users.add(request_id)
         return True
 

@@ -101,3 +101,15 @@ def test_poisoned_items_are_bounded():
     view = EngineView()
     view.load_failed({f"i{n}": "x" for n in range(MAX_POISONED + 10)})
     assert len(view._poisoned) == MAX_POISONED
+
+
+def test_a_new_request_asks_again_about_an_item_decided_for_an_earlier_one():
+    view = EngineView()
+    view.track("chat-1", ["a"])
+    view.apply({"a": "unknown"})  # chat-1 computes it itself
+    assert view.to_watch() == {}
+    view.track("chat-2", ["a"])  # meanwhile the service may have staged it
+    assert view.to_watch() == {"a": None}
+    assert not view.ready("chat-2", ["a"])
+    view.apply({"a": "staged"})
+    assert view.ready("chat-2", ["a"]) and view.take_unavailable() == {}

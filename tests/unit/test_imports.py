@@ -33,3 +33,41 @@ def test_model_parts_still_load_on_first_use():
     assert set(_FAMILIES) == set(FAMILIES)  # every family name the config accepts can be built
     assert encoder.build_encoder.__module__ == "encoder.loader"
     assert encoder.VisionEncoder.__module__ == "encoder.base"
+
+
+def test_the_vllm_connector_loads_no_model_stack_and_no_serve():
+    # What a vLLM engine process imports of this project: the connector and the receiver.
+    # (vLLM itself imports transformers' auto classes; the vision towers are the encoder's.)
+    code = (
+        "import os, sys; os.environ['VLLM_TARGET_DEVICE'] = 'cpu'; "
+        "import registry.vllm_connector, registry.receiver; "
+        "print(sorted(m for m in sys.modules if m in ('encoder.base', 'encoder.loader', 'encoder.qwen_vl', "
+        "'encoder.llava', 'encoder.tiny_vit', 'deployments', 'ray.serve', 'fastapi', "
+        "'transformers.models.qwen2_5_vl.modeling_qwen2_5_vl', 'transformers.models.qwen2_vl.modeling_qwen2_vl', "
+        "'transformers.models.clip.modeling_clip', 'transformers.models.siglip.modeling_siglip')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=180)
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr
+
+
+def test_our_requirements_admit_the_versions_vllm_pins():
+    """Installable into a vLLM 0.33 environment as it is: for every package both require, some
+    version satisfies both (checked at the versions either specifier names)."""
+    import importlib.metadata
+    import re
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    def requirements(dist):
+        reqs = (Requirement(r) for r in importlib.metadata.requires(dist) or ())
+        return {r.name.lower(): r.specifier for r in reqs if r.marker is None or "extra" not in str(r.marker)}
+
+    ours, vllm = requirements("epd-encoder"), requirements("vllm")
+    shared = sorted(set(ours) & set(vllm))
+    assert {"torch", "transformers", "pydantic", "fastapi"} <= set(shared)
+    for name in shared:
+        both = ours[name] & vllm[name]
+        named = {Version(v) for s in both for v in re.findall(r"\d+(?:\.\d+)*", s.version)}
+        candidates = named | {Version(f"{v.major}.{v.minor}.{v.micro + 1}") for v in named}
+        assert any(both.contains(v) for v in candidates) or not named, f"{name}: ours {ours[name]}, vLLM's {vllm[name]}"

@@ -1,0 +1,255 @@
+"""vLLM 0.33's real V1 scheduler and worker plumbing load what the running service staged,
+through RayRegistryECConnector (built by vLLM's own factory from an ec_transfer_config).
+
+The scheduler runs in this process against the shared cluster's registry; each TP rank's
+worker-role connector runs in its own Ray actor. Item identifiers are one-item encodes'
+req_ids, with receive_count = the TP size (2). The served model is the suite's tiny-vit
+(128x128 pixels -> 64 tokens); the engine's requests use Qwen2.5-VL grids of the same token
+count, (1, 16, 16).
+"""
+
+import pickle
+import time
+import uuid
+
+import pytest
+import ray
+
+import vllm_env
+from engine_support import Gate, VllmWorkerRank, gated
+from registry import lookup_registry, media_input
+from support import MODEL_SPEC, image_bytes, image_item, reference_embedding, wait_until
+
+TP = 2
+GRID = (1, 16, 16)  # 64 placeholder tokens
+SIZE = 128  # tiny-vit: (128/16)^2 = 64 tokens
+
+
+def new_id(prefix="vi"):
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(scope="module")
+def engine(cluster, tmp_path_factory):
+    model_dir = str(tmp_path_factory.mktemp("qwen-for-vllm"))
+    vllm_env.save_tiny_qwen_for_vllm(model_dir)
+    cfg = vllm_env.make_vllm_config(
+        model_dir, ec_connector="RayRegistryECConnector", module_path="registry.vllm_connector",
+        extra_config={"registry_name": "epd_registry", "registry_namespace": "epd", "watch_timeout_s": 2.0},
+        tensor_parallel_size=TP,
+    )
+    ranks = []
+    for rank in range(TP):
+        rank_cfg = pickle.loads(pickle.dumps(cfg))
+        rank_cfg.ec_transfer_config.ec_connector_extra_config["tp_rank"] = rank
+        ranks.append(VllmWorkerRank.remote(pickle.dumps(rank_cfg)))
+    ray.get([r.__ray_ready__.remote() for r in ranks])
+    yield cfg, ranks
+    for rank in ranks:
+        ray.kill(rank)
+
+
+@pytest.fixture
+def scheduler(engine):
+    cfg, _ = engine
+    return vllm_env.make_scheduler(cfg)
+
+
+def encode(cluster, data, req_id, wait=True, receive_count=TP):
+    body = {"req_id": req_id, "receive_count": receive_count, "items": [image_item(data)], "wait": wait}
+    response = cluster.http.post("/v1/encode", json=body)
+    assert response.status_code in (200, 202), response.text
+    return response.json()
+
+
+def state(cluster, req_id):
+    return cluster.http.get(f"/v1/requests/{req_id}").json()
+
+
+def step_until(scheduler, condition, what, timeout_s=30.0, **step_args):
+    """Step the engine until ``condition(step_result)``; every step is returned, last one last."""
+    seen = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        result = vllm_env.step(scheduler, **step_args)
+        step_args = {}
+        seen.append(result)
+        if condition(result):
+            return seen
+        time.sleep(0.01)
+    raise AssertionError(f"no step within {timeout_s}s where {what}")
+
+
+def loads_of(result):
+    meta = result.scheduler_output.ec_connector_metadata
+    return {load.identifier: load.num_tokens for load in meta.loads}
+
+
+def load_on_ranks(ranks, result):
+    blob = pickle.dumps(result.scheduler_output)
+    return ray.get([rank.load.remote(blob) for rank in ranks])
+
+
+def aggregated(loaded):
+    return vllm_env.aggregate_ec_outputs([pickle.loads(r["output"]) for r in loaded])
+
+
+def test_staged_items_load_from_the_registry_and_never_encoded_ones_are_computed_locally(cluster, engine, scheduler):
+    _, ranks = engine
+    staged, never = new_id(), new_id("never")
+    data = image_bytes(SIZE, SIZE, seed=601)
+    encode(cluster, data, staged)
+    scheduler.add_request(vllm_env.image_request("chat-1", [staged, never], grid_thw=[GRID, GRID]))
+
+    steps = step_until(scheduler, lambda r: "chat-1" in r.scheduler_output.num_scheduled_tokens, "chat-1 is scheduled")
+    first = steps[-1]
+    assert loads_of(first) == {staged: 64}  # loaded externally, with its token count
+    assert first.scheduler_output.scheduled_encoder_inputs["chat-1"] == [1]  # only the unknown item runs locally
+
+    # TP=2: each rank fetches as its own rank; the entry is released after the second.
+    rank0 = ray.get(ranks[0].load.remote(pickle.dumps(first.scheduler_output)))
+    assert state(cluster, staged)["received_ranks"] == [0] and state(cluster, staged)["state"] == "staged"
+    rank1 = ray.get(ranks[1].load.remote(pickle.dumps(first.scheduler_output)))
+    assert state(cluster, staged)["state"] == "released"
+    expected = reference_embedding(data, **MODEL_SPEC)
+    import hashlib
+
+    for loaded in (rank0, rank1):
+        item = loaded["cache"][staged]
+        assert item["sha256"] == hashlib.sha256(expected.tobytes()).hexdigest()  # bitwise the encoder's output
+        assert (item["dtype"], item["shape"], item["device"]) == ("bfloat16", [64, 512], "cpu")
+    output = aggregated([rank0, rank1])
+    assert output.ec_connector_worker_meta.loaded == {staged} and not output.ec_connector_worker_meta.failed
+    steps = step_until(scheduler, lambda r: "chat-1" in r.finished, "chat-1 finishes", ec_connector_output=output)
+    assert steps[-1].finished["chat-1"].name == "LENGTH"
+
+
+def test_bytes_equal_what_an_embedding_receiver_gets(cluster, engine, scheduler):
+    _, ranks = engine
+    data = image_bytes(SIZE, SIZE, seed=602)
+    for_engine, for_receiver = new_id(), new_id()
+    encode(cluster, data, for_engine)
+    encode(cluster, data, for_receiver, receive_count=2)
+    received = ray.get([cluster.ranks[r].fetch.remote(for_receiver, digests=True) for r in range(2)])
+    scheduler.add_request(vllm_env.image_request("chat-2", [for_engine], grid_thw=[GRID]))
+    steps = step_until(scheduler, lambda r: loads_of(r), "the item is handed to the workers")
+    loaded = load_on_ranks(ranks, steps[-1])
+    assert [r["cache"][for_engine]["sha256"] for r in loaded] == [received[0]["bytes"][0], received[1]["bytes"][0]]
+    assert state(cluster, for_engine)["state"] == "released"
+    step_until(scheduler, lambda r: "chat-2" in r.finished, "chat-2 finishes", ec_connector_output=aggregated(loaded))
+
+
+def test_a_pending_item_defers_its_request_until_it_is_staged(cluster, engine, scheduler):
+    _, ranks = engine
+    data = image_bytes(SIZE, SIZE, seed=603)
+    gate, req_id = Gate.remote(), new_id("pending")
+    held = media_input(data)
+    item = type(held)(held.digest, ref=gated.remote(gate, data))  # the encoder waits for the gate
+    registry = lookup_registry()
+    submitted = ray.get(registry.submit.remote(req_id, [item], held.digest, TP, False))
+    assert submitted["state"] == "pending"
+    scheduler.add_request(vllm_env.image_request("chat-3", [req_id], grid_thw=[GRID]))
+    for _ in range(20):  # the engine keeps stepping; the request waits
+        result = vllm_env.step(scheduler)
+        assert "chat-3" not in result.scheduler_output.num_scheduled_tokens
+        time.sleep(0.02)
+    assert not scheduler.get_ec_connector().has_cache_item(new_id("never"))
+    assert scheduler.get_ec_connector().has_cache_item(req_id)  # pending counts: the service has it
+    ray.get(gate.open.remote())
+    steps = step_until(scheduler, lambda r: "chat-3" in r.scheduler_output.num_scheduled_tokens, "chat-3 is scheduled")
+    assert loads_of(steps[-1]) == {req_id: 64}
+    assert "chat-3" not in steps[-1].scheduler_output.scheduled_encoder_inputs
+    loaded = load_on_ranks(ranks, steps[-1])
+    assert state(cluster, req_id)["state"] == "released"
+    step_until(scheduler, lambda r: "chat-3" in r.finished, "chat-3 finishes", ec_connector_output=aggregated(loaded))
+    ray.kill(gate)
+
+
+def test_a_rank_that_already_had_the_item_cached_still_counts(cluster, engine, scheduler):
+    _, ranks = engine
+    req_id = new_id("cached")
+    encode(cluster, image_bytes(SIZE, SIZE, seed=604), req_id)
+    scheduler.add_request(vllm_env.image_request("chat-4", [req_id], grid_thw=[GRID]))
+    steps = step_until(scheduler, lambda r: loads_of(r), "the item is handed to the workers")
+    ray.get(ranks[1].prime.remote(req_id, 64, 512))
+    loaded = load_on_ranks(ranks, steps[-1])
+    assert loaded[1]["cache"][req_id]["sha256"] != loaded[0]["cache"][req_id]["sha256"]  # rank 1 kept its own copy
+    described = state(cluster, req_id)
+    assert described["state"] == "released" and described["received_ranks"] == [0, 1]  # not left to its ttl
+    step_until(scheduler, lambda r: "chat-4" in r.finished, "chat-4 finishes", ec_connector_output=aggregated(loaded))
+
+
+@pytest.mark.parametrize("ending", ["cancelled", "failed"])
+def test_an_item_that_ends_badly_fails_its_request(cluster, engine, scheduler, ending):
+    req_id = new_id(ending)
+    if ending == "cancelled":
+        gate = Gate.remote()
+        data = image_bytes(SIZE, SIZE, seed=605)
+        held = media_input(data)
+        item = type(held)(held.digest, ref=gated.remote(gate, data))
+        ray.get(lookup_registry().submit.remote(req_id, [item], held.digest, TP, False))
+    else:
+        truncated = image_bytes(SIZE, SIZE, seed=606)[:300]  # decodes its header, not its pixels
+        encode(cluster, truncated, req_id, wait=False)
+    scheduler.add_request(vllm_env.image_request("chat-5", [req_id], grid_thw=[GRID]))
+    vllm_env.step(scheduler)
+    if ending == "cancelled":
+        assert cluster.http.delete(f"/v1/requests/{req_id}").json()["state"] == "cancelled"
+    steps = step_until(scheduler, lambda r: "chat-5" in r.finished, "chat-5 is failed")
+    assert steps[-1].finished["chat-5"].name == "ERROR"
+    assert all("chat-5" not in r.scheduler_output.num_scheduled_tokens for r in steps)  # never ran
+    assert state(cluster, req_id)["state"] == ending
+    if ending == "cancelled":
+        ray.kill(gate)
+
+
+def test_a_worker_side_load_error_fails_the_request_and_the_worker_survives(cluster, engine, scheduler):
+    _, ranks = engine
+    wrong = new_id("wrong")
+    # Staged with 64 tokens, but the engine's request has room for 16: another model's embedding.
+    encode(cluster, image_bytes(SIZE, SIZE, seed=607), wrong)
+    scheduler.add_request(vllm_env.image_request("chat-6", [wrong], grid_thw=[(1, 8, 8)]))
+    steps = step_until(scheduler, lambda r: loads_of(r), "the item is handed to the workers")
+    loaded = load_on_ranks(ranks, steps[-1])
+    for result in loaded:
+        placeholder = result["cache"][wrong]
+        assert placeholder["shape"][0] == 16 and placeholder["all_zero"]  # the step can run; nothing crashed
+    output = aggregated(loaded)
+    assert set(output.ec_connector_worker_meta.failed) == {wrong}
+    steps = step_until(scheduler, lambda r: "chat-6" in r.finished, "chat-6 is failed", ec_connector_output=output)
+    assert steps[-1].finished["chat-6"].name == "ERROR"
+    assert state(cluster, wrong)["state"] == "released"  # both ranks fetched it: nothing left behind
+
+    # The same workers go on loading.
+    good = new_id("good")
+    encode(cluster, image_bytes(SIZE, SIZE, seed=608), good)
+    scheduler.add_request(vllm_env.image_request("chat-7", [good], grid_thw=[GRID]))
+    steps = step_until(scheduler, lambda r: loads_of(r), "the next item is handed to the workers")
+    loaded = load_on_ranks(ranks, steps[-1])
+    assert all(not r["cache"][good]["all_zero"] for r in loaded)
+    assert state(cluster, good)["state"] == "released"
+    step_until(scheduler, lambda r: "chat-7" in r.finished, "chat-7 finishes", ec_connector_output=aggregated(loaded))
+
+
+def test_an_item_the_engine_had_cached_is_acknowledged_not_left_to_its_ttl(cluster, engine, scheduler):
+    _, ranks = engine
+    item = new_id("had")
+    # The engine computes the item itself first (the registry has never heard of it) ...
+    scheduler.add_request(vllm_env.image_request("chat-8", [item], grid_thw=[GRID], max_tokens=200))
+    steps = step_until(scheduler, lambda r: "chat-8" in r.scheduler_output.num_scheduled_tokens, "chat-8 is scheduled")
+    assert steps[-1].scheduler_output.scheduled_encoder_inputs["chat-8"] == [0]
+    # ... then the service stages it for this engine, and a second request names it.
+    encode(cluster, image_bytes(SIZE, SIZE, seed=609), item)
+    scheduler.add_request(vllm_env.image_request("chat-9", [item], grid_thw=[GRID], max_tokens=2))
+    steps = step_until(scheduler, lambda r: "chat-9" in r.scheduler_output.num_scheduled_tokens, "chat-9 is scheduled")
+    meta = steps[-1].scheduler_output.ec_connector_metadata
+    assert [(load.identifier, load.acknowledge_only) for load in meta.loads] == [(item, True)]
+    assert "chat-9" not in steps[-1].scheduler_output.scheduled_encoder_inputs  # served from the engine's cache
+    loaded = load_on_ranks(ranks, steps[-1])
+    assert all(item not in r["cache"] for r in loaded)  # no bytes read
+    described = state(cluster, item)
+    assert described["state"] == "released" and described["received_ranks"] == [0, 1]
+    from vllm.v1.request import RequestStatus
+
+    scheduler.finish_requests("chat-8", RequestStatus.FINISHED_ABORTED)
+    step_until(scheduler, lambda r: "chat-9" in r.finished, "chat-9 finishes")

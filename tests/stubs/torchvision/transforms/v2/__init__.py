@@ -1,0 +1,1 @@
+"""Import-only stand-in: see ``torchvision/__init__.py``."""
