@@ -205,6 +205,8 @@ class Ingress:
             body = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
+        except RecursionError:  # the parser's own limit: a body nested thousands deep
+            raise InvalidRequest("the request body is nested too deeply to parse") from None
         out = await self.encode(body)
         return JSONResponse(out, status_code=202 if out["state"] == "pending" else 200)
 
