@@ -21,7 +21,7 @@ Importing this module, before it imports vLLM:
   So transformers must *see* torchvision here: ``is_torchvision_available()``
   is True in this process afterwards. If transformers was imported earlier (as
   it usually is in a test session) and decided "no torchvision", that decision
-  is redone (see ``_redecide_torchvision``). Effect on the rest of the process:
+  is redone (see ``torchvision_stub``). Effect on the rest of the process:
   transformers' Auto classes now pick torchvision-backed processors, which raise
   ``RuntimeError`` if asked to process; the ``*ImageProcessorPil`` classes the
   encoder uses give bitwise-identical output either way (checked for Qwen2-VL,
@@ -61,88 +61,22 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
 import os
 import pathlib
-import sys
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-STUBS_DIR = str(pathlib.Path(__file__).resolve().parent / "stubs")
 # For the runtime_env of Ray actors that unpickle a config and build worker-role connectors.
 WORKER_ENV_VARS = {"VLLM_TARGET_DEVICE": "cpu"}
 
+import torchvision_stub  # noqa: E402 - after VLLM_TARGET_DEVICE is set
 
-def _install_torchvision_stub() -> None:
-    if STUBS_DIR not in sys.path:
-        sys.path.insert(0, STUBS_DIR)
-    if "transformers" in sys.modules:
-        _redecide_torchvision()
-
-
-def _redecide_torchvision() -> None:
-    """Make a transformers imported before the stub see it, as one imported after would.
-
-    ``import transformers`` caches ``is_torchvision_available()`` for the
-    process; its top-level module chooses real or dummy torchvision classes by
-    an if/else; each lazy ``transformers.models.*`` module records, when
-    created, which names miss a backend; AutoVideoProcessor's module blanks its
-    table of video processors in place. Each is redone here, with transformers'
-    own machinery where there is one.
-    """
-    from transformers.utils import import_utils
-
-    if import_utils.is_torchvision_available():
-        return  # it already saw the stub
-    import_utils.is_torchvision_available.cache_clear()
-    import_utils.is_torchvision_v2_available.cache_clear()
-    if not import_utils.is_torchvision_available():
-        raise RuntimeError(f"transformers does not see the torchvision stub in {STUBS_DIR}")
-
-    # Re-run the top-level __init__ (transformers' `direct_transformers_import`; that __init__
-    # is written to run twice) and move its bookkeeping into the module object everyone holds.
-    top = sys.modules["transformers"]
-    fresh = import_utils.direct_transformers_import(os.path.dirname(top.__file__))
-    sys.modules["transformers"] = top
-    for attr in ("_class_to_module", "_modules", "_import_structure", "_object_missing_backend", "__all__",
-                 "_objects", "_explicit_import_shortcut"):
-        if attr in fresh.__dict__:
-            setattr(top, attr, fresh.__dict__[attr])
-    for name, value in list(top.__dict__.items()):
-        placeholder = isinstance(value, import_utils.DummyObject)
-        pil_fallback = name.endswith("ImageProcessor") and getattr(value, "__name__", None) == f"{name}Pil"
-        if (placeholder or pil_fallback) and name not in top._object_missing_backend:
-            del top.__dict__[name]
-
-    # Strike "torchvision" from the submodules' missing backends; drop the placeholders
-    # (and Pil fallbacks) already handed out, so the next lookup imports the real class.
-    for name, module in list(sys.modules.items()):
-        if name.startswith("transformers.") and isinstance(module, import_utils._LazyModule):
-            missing = module._object_missing_backend
-            for key, backends in list(missing.items()):
-                if "torchvision" in backends:
-                    if rest := [b for b in backends if b != "torchvision"]:
-                        missing[key] = rest
-                    else:
-                        del missing[key]
-                    module.__dict__.pop(key, None)
-
-    if "transformers.models.auto.video_processing_auto" in sys.modules:
-        from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
-        from transformers.models.auto.video_processing_auto import AutoVideoProcessor
-        from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
-
-        for config_class in (Qwen2VLConfig, Qwen2_5_VLConfig):
-            AutoVideoProcessor.register(config_class, video_processor_classes={"torchvision": Qwen2VLVideoProcessor},
-                                        exist_ok=True)
-
-
-_install_torchvision_stub()
+torchvision_stub.install()
 
 from models import (  # noqa: E402 - after the stub, so every process imports in the same order
     QWEN_IMAGE_TOKEN,
@@ -179,21 +113,6 @@ _CHAT_TEMPLATE = (
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %} {% endfor %}{% endif %}</s> "
     "{% endfor %}{% if add_generation_prompt %}<s>assistant {% endif %}"
 )
-
-
-@contextlib.contextmanager
-def _stub_on_subprocess_path():
-    # vLLM inspects the model class in a fresh subprocess (to keep CUDA out of this one).
-    # Only for that: a process-wide PYTHONPATH would reach Ray workers started later.
-    previous = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [STUBS_DIR, previous]))
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = previous
 
 
 # ==============================
@@ -270,7 +189,7 @@ def make_vllm_config(
         VllmConfig,
     )
 
-    with _stub_on_subprocess_path():
+    with torchvision_stub.on_subprocess_path():
         model_config = ModelConfig(model=model_dir, tokenizer=model_dir, dtype=dtype, max_model_len=MAX_MODEL_LEN,
                                    seed=0)
     return VllmConfig(

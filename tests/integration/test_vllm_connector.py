@@ -253,3 +253,34 @@ def test_an_item_the_engine_had_cached_is_acknowledged_not_left_to_its_ttl(clust
 
     scheduler.finish_requests("chat-8", RequestStatus.FINISHED_ABORTED)
     step_until(scheduler, lambda r: "chat-9" in r.finished, "chat-9 finishes")
+
+
+def test_an_item_that_expires_while_its_request_waits_fails_the_request(cluster, engine):
+    from registry import Limits, RegistrySettings, get_or_create_registry
+
+    cfg, _ = engine
+    # A registry of its own with a 1 s ttl, encoding through the same Encoder deployment.
+    settings = RegistrySettings(name=f"short-ttl-{uuid.uuid4().hex[:6]}", namespace="epd", limits=Limits(ttl_s=1.0))
+    registry = get_or_create_registry(settings)
+    short = pickle.loads(pickle.dumps(cfg))
+    short.ec_transfer_config.ec_connector_extra_config["registry_name"] = settings.name
+    scheduler = vllm_env.make_scheduler(short)
+    gate = Gate.remote()
+    try:
+        staged, pending = new_id("expiring"), new_id("held")
+        data = image_bytes(SIZE, SIZE, seed=610)
+        item = media_input(data)
+        assert ray.get(registry.submit.remote(staged, [item], item.digest, TP, True))["state"] == "staged"
+        other = image_bytes(SIZE, SIZE, seed=611)
+        held = media_input(other)
+        gated_item = type(held)(held.digest, ref=gated.remote(gate, other))
+        ray.get(registry.submit.remote(pending, [gated_item], held.digest, TP, False))
+        # The request waits for its pending item while the staged one's ttl runs out.
+        scheduler.add_request(vllm_env.image_request("chat-10", [staged, pending], grid_thw=[GRID, GRID]))
+        steps = step_until(scheduler, lambda r: "chat-10" in r.finished, "chat-10 is failed")
+        assert steps[-1].finished["chat-10"].name == "ERROR"
+        assert all("chat-10" not in r.scheduler_output.num_scheduled_tokens for r in steps)
+        assert ray.get(registry.states.remote([staged]))[staged] == "expired"
+    finally:
+        ray.kill(registry)
+        ray.kill(gate)
