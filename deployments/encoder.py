@@ -23,6 +23,7 @@ from ray.serve import metrics
 from deployments.config import BatchConfig, ModelConfig
 from encoder import EncodedItem, Media, MediaError, PreparedItem, Video
 from registry.errors import InvalidRequest
+from registry.logs import quiet_client_errors
 
 if TYPE_CHECKING:
     from encoder import VisionEncoder
@@ -45,6 +46,8 @@ _BATCH_BOUNDARIES = [1, 2, 4, 8, 16, 32, 64, 128]
 )
 class Encoder:
     def __init__(self, model: dict[str, Any] | None = None):
+        # An undecodable image is the client's: the registry logs it once, with its req_id.
+        quiet_client_errors()
         self._config = ModelConfig.model_validate(model or {})
         self._encoder = self._load(self._config)
         self._items = 0

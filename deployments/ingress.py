@@ -48,7 +48,10 @@ from registry.errors import (
     http_status,
     unwrap,
 )
-from registry.settings import api_token_from_env
+from registry.logs import get_logger, log_error, quiet_client_errors
+from registry.settings import MAX_WAIT_S, api_token_from_env
+
+logger = get_logger(__name__)
 
 _HEALTH_TIMEOUT_S = 5.0
 _RETRY_AFTER_S = "1"
@@ -71,19 +74,31 @@ def error_response(error: RegistryError) -> JSONResponse:
     return JSONResponse(error.to_dict(mask=status >= 500), status_code=status, headers=headers)
 
 
+def _log_once(error: RegistryError) -> None:
+    """Log what this replica refused or failed itself, once; the registry logged what it raised."""
+    if not getattr(error, "logged", False):
+        log_error(logger, error)
+        error.logged = True
+
+
 @api.exception_handler(RegistryError)
 async def _on_registry_error(_: Request, exc: RegistryError) -> JSONResponse:
+    _log_once(exc)
     return error_response(exc)
 
 
 @api.exception_handler(RequestValidationError)
 async def _on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-    return error_response(InvalidRequest(describe_validation_error(exc)))
+    error = InvalidRequest(describe_validation_error(exc))
+    _log_once(error)
+    return error_response(error)
 
 
 def _as_registry_error(exc: BaseException) -> BaseException:
     exc = unwrap(exc)
-    if isinstance(exc, ray.exceptions.RayActorError):
+    if isinstance(exc, RegistryError):
+        exc.logged = True  # the registry logs every error it raises
+    elif isinstance(exc, ray.exceptions.RayActorError):
         return Unavailable(f"the registry actor is not reachable ({type(exc).__name__}); retry shortly")
     return exc
 
@@ -106,12 +121,14 @@ async def _read_body(request: Request, limit: int) -> bytes:
 @serve.ingress(api)
 class Ingress:
     def __init__(self, encoder: DeploymentHandle, config: dict[str, Any]):
+        quiet_client_errors()
         self._config = AppConfig.model_validate(config)
         self._media_policy = self._config.media_policy()
         token = self._config.api_token or api_token_from_env()
         self._token = token.encode() if token else None
         self._encoder = encoder
-        self._settings = self._config.registry_settings(encoder_app=serve.get_replica_context().app_name)
+        # The registry calls the Encoder this replica was bound to (it must own the results).
+        self._settings = self._config.registry_settings(encoder.app_name, encoder.deployment_name)
         self._registry = get_or_create_registry(self._settings)
         # Blocking is fine here: the replica serves nothing until its constructor returns.
         ray.get(self._registry.configure.remote(self._settings))
@@ -157,7 +174,11 @@ class Ingress:
 
     async def encode(self, body: dict[str, Any]) -> dict[str, Any]:
         """Encode and stage ``body`` (the ``POST /v1/encode`` body); returns the entry."""
-        return await self._encode(parse_encode_request(body))
+        try:
+            return await self._encode(parse_encode_request(body))
+        except RegistryError as exc:
+            _log_once(exc)
+            raise
 
     async def describe(self, req_id: str, wait_s: float = 0.0) -> dict[str, Any]:
         """The entry of ``req_id`` (the ``GET /v1/requests/{req_id}`` body); with ``wait_s``,
@@ -212,7 +233,7 @@ class Ingress:
 
     @api.get("/v1/requests/{req_id}", response_model=RequestState, responses=_ERROR_RESPONSES)
     async def get_request(
-        self, request: Request, req_id: str, wait_s: float = Query(0.0, ge=0, le=3600)
+        self, request: Request, req_id: str, wait_s: float = Query(0.0, ge=0, le=MAX_WAIT_S)
     ) -> dict[str, Any]:
         """The state of a request; with `wait_s`, wait up to that long while it is pending."""
         self._authorize(request)

@@ -75,8 +75,9 @@ from registry.errors import (
     http_status,
     unwrap,
 )
+from registry.logs import get_logger, quiet_client_errors
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 # Longest single registry wait for an item to leave pending; the proxy waits again
 # until its own deadline (timeout_s). Short enough that an Ingress replica restart
@@ -204,6 +205,7 @@ class EPDProxy:
     """
 
     def __init__(self, config: dict[str, Any]):
+        quiet_client_errors()
         self._config = ProxyConfig.model_validate(config)
         # One client per replica: its connection pool is shared by every request. No
         # connection cap (max_ongoing_requests bounds them), and no proxies from the

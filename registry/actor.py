@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import logging
 import dataclasses
 import math
 import os
@@ -27,13 +28,15 @@ from typing import Any
 
 import ray
 
-from registry.errors import InvalidRequest, NotReady, RegistryError, Unavailable
+from registry.errors import InvalidRequest, NotReady, Overloaded, RegistryError, Unavailable
 from registry.inputs import MediaInput
+from registry.logs import RateLimited, configure_actor_logging, error_fields, get_logger, log_error
 from registry.metrics import RegistryMetrics
-from registry.settings import RegistrySettings
+from registry.settings import MAX_WAIT_S, RegistrySettings
 from registry.state import PENDING, RELEASED, STAGED, Entry, FetchResult, Limits, RegistryState, StagedItem, ended_error
 
-MAX_WAIT_S = 3600.0
+logger = get_logger(__name__)
+
 # Most req_ids one ``states`` or ``watch`` call may name.
 MAX_IDS_PER_CALL = 100_000
 # Ray's metrics are scraped every few seconds; the table's gauges are published this often.
@@ -59,7 +62,7 @@ def _effective_limits(settings: RegistrySettings) -> Limits:
     """The limits, with staged bytes also capped at a share of the cluster's object store
     (blocking: asks the GCS)."""
     store = ray.cluster_resources().get("object_store_memory", 0)
-    cap = int(store * settings.object_store_fraction) if store else settings.limits.max_staged_bytes
+    cap = int(store * settings.max_object_store_fraction) if store else settings.limits.max_staged_bytes
     return dataclasses.replace(settings.limits, max_staged_bytes=min(settings.limits.max_staged_bytes, cap))
 
 
@@ -80,6 +83,8 @@ class EmbeddingRegistry:
     """Actor class; create it with ``get_or_create_registry``."""
 
     def __init__(self, settings: RegistrySettings):
+        configure_actor_logging()
+        self._overload_log = RateLimited(logger)
         self._settings = settings
         self._state = RegistryState(_effective_limits(settings))
         self._metrics = RegistryMetrics(settings.name)
@@ -114,6 +119,13 @@ class EmbeddingRegistry:
         """
         if after_loss:
             self._restarted = True
+        if settings.registry_max_concurrency != self._settings.registry_max_concurrency:
+            logger.warning(
+                "registry_max_concurrency is %d in the new config but this registry was created with %d; "
+                "it takes effect only when the registry actor is created again",
+                settings.registry_max_concurrency, self._settings.registry_max_concurrency,
+            )
+            settings = dataclasses.replace(settings, registry_max_concurrency=self._settings.registry_max_concurrency)
         self._encoder.reconfigure(settings.encoder_app, settings.encoder_deployment, settings.cache_max_bytes)
         self._settings = settings
         self._state.limits = await asyncio.to_thread(_effective_limits, settings)
@@ -152,6 +164,7 @@ class EmbeddingRegistry:
             self._metrics.encode_requests.inc(tags={"result": "rejected"})
             raise
         self._metrics.encode_requests.inc(tags={"result": "accepted" if created else "duplicate"})
+        logger.debug("req_id=%s %s: %d items, receive_count=%d", req_id, "accepted" if created else "joined", len(items), count)
         if created:
             # A fresh context: Ray files calls made in this call's context as its children, and
             # cancelling a call (a client gone) cancels its children too. The encode belongs to
@@ -171,6 +184,7 @@ class EmbeddingRegistry:
             # cancel it rather than stage an orphan, and ranks waiting for it are told so.
             if self._submitters[req_id] == 1 and entry.state == PENDING:  # pending: still the live one
                 self._state.cancel(req_id, time.time())
+                logger.info("req_id=%s cancelled: its client went away before it was staged", req_id)
                 self._changed_now(req_id)
             raise
         finally:
@@ -186,7 +200,11 @@ class EmbeddingRegistry:
         deadline = time.monotonic() + _check_wait(wait_s, "wait_s", req_id)
         while (remaining := deadline - time.monotonic()) > 0 and not self._decided(req_id):
             await self._wait_change(req_id, remaining)
-        return self._state.get(req_id, time.time()).describe()  # unknown_request if never seen
+        try:
+            return self._state.get(req_id, time.time()).describe()  # unknown_request if never seen
+        except RegistryError as exc:
+            self._count_error(exc)
+            raise
 
     def _decided(self, req_id: str) -> bool:
         """Known and past pending (what ``describe`` waits for)."""
@@ -197,7 +215,14 @@ class EmbeddingRegistry:
 
     async def cancel(self, req_id: str) -> dict[str, Any]:
         """Cancel a pending or staged entry; an ended one is described unchanged."""
-        entry = self._state.cancel(req_id, time.time())
+        live = self._state.is_live(req_id)
+        try:
+            entry = self._state.cancel(req_id, time.time())
+        except RegistryError as exc:
+            self._count_error(exc)
+            raise
+        if live:
+            logger.info("req_id=%s cancelled by its client", req_id)
         self._changed_now(req_id)
         return entry.describe()
 
@@ -274,6 +299,7 @@ class EmbeddingRegistry:
                 raise
             if result is not None:
                 self._metrics.fetches.inc(tags={"result": "released" if result.released else "ok"})
+                logger.debug("req_id=%s rank %d received it%s", req_id, rank, "; released" if result.released else "")
                 if result.released:
                     self._changed_now(req_id)
                 return result
@@ -361,6 +387,7 @@ class EmbeddingRegistry:
                 self._count_error(error)
         elif self._state.stage(entry, staged, time.time()):
             self._metrics.encode_latency.observe(time.time() - entry.created_at)
+            logger.debug("req_id=%s staged: %d bytes", req_id, entry.nbytes)
         else:
             self._metrics.late_results.inc()  # the refs in `staged` are dropped right here
         self._changed_now(req_id)
@@ -419,8 +446,25 @@ class EmbeddingRegistry:
                 pass
             self._timer_wake.clear()
             for req_id in self._state.expire_due(time.time()):
+                self._log_expiry(req_id)
                 self._changed_now(req_id)
                 self._timer_wake.clear()
 
+    def _log_expiry(self, req_id: str) -> None:
+        entry = self._state.get(req_id, time.time())
+        if entry.staged_at is None:
+            logger.warning("req_id=%s expired pending: not encoded within encode_timeout_s", req_id)
+            return
+        fetched = sorted(entry.received)
+        missing = [rank for rank in range(entry.receive_count) if rank not in entry.received]
+        logger.warning(
+            "req_id=%s expired staged: ranks %s fetched it, ranks %s did not within ttl_s", req_id, fetched, missing
+        )
+
     def _count_error(self, error: RegistryError) -> None:
+        """Count ``error`` and log it: the one line about it, with its req_id, code and cause."""
         self._metrics.errors.inc(tags={"code": error.code})
+        if isinstance(error, Overloaded):  # a flood of them must not flood the log
+            self._overload_log.log(logging.WARNING, "overloaded", "request refused: %s", error_fields(error))
+        else:
+            log_error(logger, error)

@@ -31,7 +31,10 @@ from encoder.hashing import mm_hash
 from registry.cache import EncoderCache
 from registry.errors import EncodeFailed, Overloaded, RegistryError, Unavailable, unwrap
 from registry.inputs import MediaInput
+from registry.logs import get_logger
 from registry.state import StagedItem
+
+logger = get_logger(__name__)
 
 # How many times an item is sent again when the replica encoding it dies. One: a
 # second death in a row is more likely the input killing replicas than bad luck.
@@ -94,7 +97,7 @@ class EncoderClient:
             return cached
         shared = self._inflight.get(key)
         if shared is None:
-            shared = self._inflight[key] = _Shared(asyncio.create_task(self._call(key, item.payload)))
+            shared = self._inflight[key] = _Shared(asyncio.create_task(self._call(key, item.payload, req_id)))
             shared.task.add_done_callback(lambda _: self._inflight.pop(key, None))
         else:
             self.joined += 1
@@ -119,7 +122,8 @@ class EncoderClient:
             "item_encodes_in_flight": len(self._inflight),
         }
 
-    async def _call(self, key: str, payload: Any) -> StagedItem:
+    async def _call(self, key: str, payload: Any, req_id: str) -> StagedItem:
+        """One Encoder call for ``key``, shared by every waiter (``req_id``: the first one's)."""
         handle = await self._deployment()
         for attempt in range(1 + REPLICA_DEATH_RETRIES):
             # A ref as a top-level argument: Ray resolves it in the replica, not here.
@@ -143,6 +147,10 @@ class EncoderClient:
                     # Serve retries only requests no replica accepted yet, so run it once
                     # more: the router has marked that replica dead and picks another.
                     self.replica_retries += 1
+                    logger.warning(
+                        "req_id=%s: the encoder replica died while encoding an item (mm_hash=%s): %s; "
+                        "sending it once more", req_id, key, type(error).__name__,
+                    )
                     continue
             else:
                 item = StagedItem(meta=encoded.meta, ref=ref)

@@ -68,7 +68,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 )
 
 from registry.engine_view import EngineView
-from registry.settings import registry_address
+from registry.settings import MAX_WAIT_S, registry_address
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -76,7 +76,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import ECConnectorOutput
     from vllm.v1.request import Request
 
-logger = logging.getLogger(__name__)
+# Under vLLM's own logger, so its logging configuration (level, format) covers these lines.
+logger = logging.getLogger("vllm.ec_connector.ray_registry")
 
 # How often a scheduler that cannot find the registry looks for it again.
 _LOOKUP_RETRY_S = 1.0
@@ -104,8 +105,8 @@ class ConnectorSettings:
             raise ValueError(f"ec_connector_extra_config.tp_rank must be an integer >= 0, got {settings.tp_rank!r}")
         for key in ("fetch_timeout_s", "watch_timeout_s"):
             value = getattr(settings, key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 3600 or math.isnan(value):
-                raise ValueError(f"ec_connector_extra_config.{key} must be seconds in (0, 3600], got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_WAIT_S or math.isnan(value):
+                raise ValueError(f"ec_connector_extra_config.{key} must be seconds in (0, {MAX_WAIT_S:.0f}], got {value!r}")
         return settings
 
 

@@ -18,6 +18,7 @@ import ray
 from PIL import Image
 
 from encoder import EncoderSpec, build_encoder
+from registry.inputs import INLINE_MAX_BYTES
 
 # The app the integration tests deploy: tiny-vit, whose token count is simply
 # (height/16) x (width/16), in bfloat16, the harder transport path (its bits travel
@@ -65,6 +66,14 @@ def media_server(files: dict[str, bytes]):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def registry_settings(name: str, namespace: str = "epd-tests", encoder_app: str = "epd", **app_args: Any):
+    """Settings of a registry of a test's own, built as the app builds them (``AppConfig``)."""
+    from deployments import AppConfig
+
+    config = AppConfig.model_validate({"registry_name": name, "registry_namespace": namespace, **app_args})
+    return config.registry_settings(encoder_app=encoder_app)
 
 
 def deployment_options(**encoder_user_config: Any) -> dict[str, dict[str, Any]]:
@@ -163,7 +172,7 @@ def object_refs_in_use() -> dict[bytes, tuple[int, list[str]]]:
 
 # Ray stores objects larger than this in the shared-memory object store and
 # smaller ones inline in their owner's memory (RAY_max_direct_call_object_size).
-INLINE_OBJECT_LIMIT = 100 * 1024
+INLINE_OBJECT_LIMIT = INLINE_MAX_BYTES
 
 
 def object_store_bytes_in_use() -> int:
@@ -262,3 +271,33 @@ def _raw(tensor) -> bytes:
     if tensor.dtype == torch.bfloat16:
         tensor = tensor.view(torch.int16)
     return tensor.numpy().tobytes()
+
+
+def logs_dir() -> str:
+    """This cluster's session log folder (Serve's replica logs are under ``serve/``)."""
+    return ray._private.worker.global_worker.node.get_logs_dir_path()
+
+
+def log_lines_since(offsets: dict[str, int], patterns: tuple[str, ...] = ("serve/*.log", "worker-*.err", "worker-*.out")) -> dict[str, list[str]]:
+    """Lines added to the cluster's log files since ``offsets`` (file -> size; see
+    ``log_offsets``), per file."""
+    import glob
+    import os
+
+    added = {}
+    for pattern in patterns:
+        for path in glob.glob(os.path.join(logs_dir(), pattern)):
+            with open(path, "rb") as f:
+                f.seek(offsets.get(path, 0))
+                text = f.read().decode(errors="replace")
+            if text:
+                added[path] = text.splitlines()
+    return added
+
+
+def log_offsets() -> dict[str, int]:
+    """The current size of every log file of the cluster."""
+    import glob
+    import os
+
+    return {path: os.path.getsize(path) for path in glob.glob(os.path.join(logs_dir(), "**", "*"), recursive=True) if os.path.isfile(path)}

@@ -1,0 +1,78 @@
+"""Logs an operator can follow: one line per failed request naming its req_id, code and
+cause, in the logs of the deployed components, and no traceback for a client's mistake."""
+
+import json
+import uuid
+
+import pytest
+import ray
+from ray import serve
+
+from deployments import compose_app
+from support import APP_ARGS, deployment_options, image_bytes, image_item, log_lines_since, log_offsets, wait_until
+
+
+def lines_naming(req_id, offsets):
+    return {path: [line for line in lines if req_id in line] for path, lines in log_lines_since(offsets).items()
+            if any(req_id in line for line in lines)}
+
+
+def records(found):
+    """The distinct log records in ``found``: a replica's line is in its Serve log file and,
+    through its stderr, in its Ray worker log too."""
+    return sorted({line.split(" -- ", 1)[-1] for lines in found.values() for line in lines})
+
+
+def test_a_corrupt_image_leaves_one_line_with_req_id_code_and_cause_and_no_traceback(cluster):
+    offsets = log_offsets()
+    req_id = f"corrupt-{uuid.uuid4().hex[:8]}"
+    truncated = image_bytes(64, 64, seed=51)[:300]
+    response = cluster.http.post("/v1/encode", json={"req_id": req_id, "items": [image_item(truncated)]})
+    assert response.status_code == 422 and response.json()["error"]["code"] == "invalid_request"
+
+    found = wait_until(lambda: lines_naming(req_id, offsets), 20, what=f"a log line naming {req_id}")
+    assert len(records(found)) == 1, found
+    line = next(iter(found.values()))[0]
+    assert "code=invalid_request" in line and "corrupt or truncated" in line and line.startswith("INFO")
+    # Neither the Encoder replica (where decoding failed) nor anyone else wrote a traceback.
+    added = log_lines_since(offsets)
+    tracebacks = {path: [l for l in lines if "Traceback" in l or "Request failed" in l] for path, lines in added.items()}
+    assert not any(tracebacks.values()), tracebacks
+
+
+def test_a_refusal_by_the_ingress_itself_is_logged_there_once(cluster):
+    offsets = log_offsets()
+    req_id = f"many-{uuid.uuid4().hex[:8]}"
+    body = {"req_id": req_id, "items": [image_item(image_bytes(32, 32, seed=52))] * 17}
+    assert cluster.http.post("/v1/encode", json=body).status_code == 422
+    found = wait_until(lambda: lines_naming(req_id, offsets), 20, what=f"a log line naming {req_id}")
+    (record,) = records(found)
+    assert "limit is 16" in record
+    assert any("replica_epd_Ingress" in path for path in found)  # logged by the Ingress, which refused it
+
+
+@pytest.mark.slow
+def test_logging_config_json_gives_json_lines_carrying_the_req_id(cluster):
+    from ray.serve.schema import LoggingConfig
+
+    name = f"epd-json-{uuid.uuid4().hex[:6]}"
+    args = {**APP_ARGS, "registry_name": f"{name}-registry", "api_token": cluster.app_args["api_token"]}
+    serve.run(
+        compose_app(args, deployment_options=deployment_options()), name=name, route_prefix=f"/{name}",
+        logging_config=LoggingConfig(encoding="JSON", log_level="INFO"),
+    )
+    try:
+        offsets = log_offsets()
+        req_id = f"json-{uuid.uuid4().hex[:8]}"
+        body = {"req_id": req_id, "items": [image_item(image_bytes(32, 32, seed=53))] * 17}
+        assert cluster.http.post(f"/{name}/v1/encode", json=body).status_code == 422
+        found = wait_until(lambda: lines_naming(req_id, offsets), 20, what=f"a log line naming {req_id}")
+        serve_lines = [line for path, lines in found.items() if "/serve/" in path for line in lines]
+        assert len(serve_lines) == 1, found
+        (line,) = serve_lines
+        record = json.loads(line)
+        assert record["levelname"] == "INFO" and f"req_id={req_id}" in record["message"]
+        assert "code=invalid_request" in record["message"]
+    finally:
+        serve.delete(name)
+        ray.kill(ray.get_actor(f"{name}-registry", namespace="epd"))
