@@ -24,9 +24,9 @@ import time
 
 import ray
 
+from deployments.config import AppConfig
 from registry.engine_view import EngineView
 from registry.lookup import get_or_create_registry
-from registry.settings import RegistrySettings
 
 
 def _view(items: int) -> tuple[EngineView, list[str]]:
@@ -40,7 +40,8 @@ def _view(items: int) -> tuple[EngineView, list[str]]:
 
 def measure(items: int, rounds: int, reads_per_round: int) -> dict[str, float]:
     view, identifiers = _view(items)
-    registry = get_or_create_registry(RegistrySettings(name="engine-view-bench", namespace="epd-bench"))
+    settings = AppConfig(registry_name="engine-view-bench", registry_namespace="epd-bench").registry_settings("epd")
+    registry = get_or_create_registry(settings)
     ray.get(registry.ping.remote())
     has_ns, states_us, noop_us = [], [], []
     for r in range(rounds):

@@ -1,8 +1,7 @@
 """A stand-in model inside the real ``Encoder`` deployment: a free forward pass of exact output size.
 
 ``StandInEncoder`` is the project's ``Encoder`` deployment class (subclassed, so
-every call the registry makes, ``identity``, ``encode``, ``encode_parts`` or
-whatever it uses, runs the real code: the thread hops, ``@serve.batch``, the
+every call the registry makes, ``identity`` and ``encode``, runs the real code: the thread hops, ``@serve.batch``, the
 return path) with one change: its vision tower is ``StandInModel``, whose
 outputs are bfloat16 tensors computed once at start. A call therefore costs
 exactly what happens around and *after* a forward pass: building the
@@ -199,7 +198,7 @@ def deploy_on(resource: str, sizes: list[int], registry_name: str, namespace: st
     # looked up by name later: the actor lives while its creator's handle does.
     registry = (
         ray.remote(EmbeddingRegistry)
-        .options(name=registry_name, namespace=namespace, max_concurrency=settings.max_concurrency, **there)
+        .options(name=registry_name, namespace=namespace, max_concurrency=settings.registry_max_concurrency, **there)
         .remote(settings)
     )
     encoder = serve.run(

@@ -54,7 +54,13 @@ def build_proxy_app(args: dict[str, Any]) -> Application:
 def compose_app(
     args: dict[str, Any] | None = None, *, deployment_options: dict[str, dict[str, Any]] | None = None
 ) -> Application:
-    """The app, Ingress -> Encoder, from Python.
+    """The app from Python: the ``Ingress`` bound to the ``Encoder`` it hands its requests to.
+
+    The call path is Ingress -> registry (a detached actor) -> Encoder: the Ingress gives
+    the registry the Encoder deployment it was bound to, and the registry makes every
+    encode call itself, because the caller of a handle owns the result's object and the
+    staged embeddings must outlive the replica that computed them (``registry.encoding``).
+    The Ingress calls the Encoder directly only for ``/health``.
 
     ``deployment_options`` is the Python form of the config file's ``deployments:``
     list: Serve options per deployment name, e.g.

@@ -160,25 +160,31 @@ class AppConfig(BaseModel):
             max_item_bytes=self.max_item_bytes,
         )
 
-    def registry_settings(self, encoder_app: str) -> RegistrySettings:
+    def limits(self) -> Limits:
+        """The registry's lifecycle limits (``registry.state.Limits``), from these keys."""
+        return Limits(
+            ttl_s=self.ttl_s,
+            encode_timeout_s=self.encode_timeout_s,
+            max_receive_count=self.max_receive_count,
+            tombstone_ttl_s=self.tombstone_ttl_s,
+            max_tombstones=self.max_tombstones,
+            max_pending_requests=self.max_pending_requests,
+            max_staged_bytes=self.max_staged_bytes,
+        )
+
+    def registry_settings(self, encoder_app: str, encoder_deployment: str = "Encoder") -> RegistrySettings:
+        """What the registry actor runs with; it sends encodes to ``encoder_deployment`` of
+        the Serve app ``encoder_app``."""
         return RegistrySettings(
             name=self.registry_name,
             namespace=self.registry_namespace,
-            limits=Limits(
-                ttl_s=self.ttl_s,
-                encode_timeout_s=self.encode_timeout_s,
-                max_receive_count=self.max_receive_count,
-                tombstone_ttl_s=self.tombstone_ttl_s,
-                max_tombstones=self.max_tombstones,
-                max_pending=self.max_pending_requests,
-                max_staged_bytes=self.max_staged_bytes,
-            ),
-            object_store_fraction=self.max_object_store_fraction,
+            limits=self.limits(),
             default_receive_count=self.default_receive_count,
-            encoder_app=encoder_app,
-            encoder_deployment="Encoder",
-            max_concurrency=self.registry_max_concurrency,
+            registry_max_concurrency=self.registry_max_concurrency,
             cache_max_bytes=self.cache_max_bytes,
+            max_object_store_fraction=self.max_object_store_fraction,
+            encoder_app=encoder_app,
+            encoder_deployment=encoder_deployment,
         )
 
 

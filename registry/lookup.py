@@ -28,7 +28,7 @@ def get_or_create_registry(settings: RegistrySettings) -> ray.actor.ActorHandle:
         lifetime="detached",
         get_if_exists=True,
         max_restarts=-1,
-        max_concurrency=settings.max_concurrency,
+        max_concurrency=settings.registry_max_concurrency,
         num_cpus=0,
         resources={"node:__internal_head__": 0.001},
     ).remote(settings)

@@ -1,4 +1,4 @@
-"""Registry settings, and the one place the project reads environment variables.
+"""Registry settings, and the environment variables of the service's own settings.
 
 Decoder ranks find the registry by name and namespace. The defaults below are
 the ones ``serve_config.yaml`` ships with; ``EPD_REGISTRY_NAME`` and
@@ -19,6 +19,8 @@ DEFAULT_REGISTRY_NAMESPACE = "epd"
 ENV_REGISTRY_NAME = "EPD_REGISTRY_NAME"
 ENV_REGISTRY_NAMESPACE = "EPD_REGISTRY_NAMESPACE"
 ENV_API_TOKEN = "EPD_API_TOKEN"
+# The longest any call may wait (a fetch's timeout_s, a describe's wait_s), in seconds.
+MAX_WAIT_S = 3600.0
 
 
 def api_token_from_env() -> str | None:
@@ -35,21 +37,22 @@ def registry_address(name: str | None = None, namespace: str | None = None) -> t
 
 @dataclasses.dataclass(frozen=True)
 class RegistrySettings:
-    """Everything the registry actor needs. Built by the app from its config."""
+    """Everything the registry actor needs, named as ``deployments.AppConfig``'s keys, which
+    hold every default and description (``AppConfig.registry_settings()`` builds this)."""
 
-    name: str = DEFAULT_REGISTRY_NAME
-    namespace: str = DEFAULT_REGISTRY_NAMESPACE
-    limits: Limits = Limits()
-    default_receive_count: int = 1
-    # Where the registry sends encode work: a Serve deployment, by app and name.
-    encoder_app: str = "epd"
-    encoder_deployment: str = "Encoder"
-    # Each waiting fetch holds one actor call slot; size for ranks x requests in flight.
-    max_concurrency: int = 10_000
+    name: str
+    namespace: str
+    limits: Limits
+    default_receive_count: int
+    # Each waiting fetch holds one actor call slot; fixed when the actor is created.
+    registry_max_concurrency: int
     # Bytes of embeddings the content-hash cache keeps for reuse; 0 turns it off.
-    cache_max_bytes: int = 512 * 1024 * 1024
+    cache_max_bytes: int
     # Staged bytes are also capped at this share of the cluster's object store.
-    object_store_fraction: float = 0.5
+    max_object_store_fraction: float
+    # Where the registry sends encode work: a Serve deployment, by app and name.
+    encoder_app: str
+    encoder_deployment: str = "Encoder"
     # After a restart, how long a fetch of an unknown req_id waits (for a new request
     # to arrive) before it is answered `unavailable`: its entry was lost.
     restart_grace_s: float = 5.0

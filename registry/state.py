@@ -22,7 +22,7 @@ Rules:
   count again.
 * Deadlines: a pending entry expires ``encode_timeout_s`` after accept; a staged
   entry ``ttl_s`` after staging. ``expire_due`` applies them.
-* Admission: a *new* request is refused with ``overloaded`` while ``max_pending``
+* Admission: a *new* request is refused with ``overloaded`` while ``max_pending_requests``
   requests are being encoded or the staged bytes (projected over the pending
   ones) reach ``max_staged_bytes``; retries of live requests are always answered.
 * Accepting a live ``req_id`` again with the same request (items digest and
@@ -91,14 +91,17 @@ class IllegalTransition(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-    ttl_s: float = 180.0
-    encode_timeout_s: float = 120.0
-    max_receive_count: int = 64
-    tombstone_ttl_s: float = 600.0
-    max_tombstones: int = 10_000
+    """The lifecycle's limits, named as ``deployments.AppConfig``'s keys, which hold every
+    default and description (``AppConfig.limits()`` builds this)."""
+
+    ttl_s: float
+    encode_timeout_s: float
+    max_receive_count: int
+    tombstone_ttl_s: float
+    max_tombstones: int
     # Admission: past either, a new request is refused with ``overloaded``.
-    max_pending: int = 4096
-    max_staged_bytes: int = 8 * 1024**3
+    max_pending_requests: int
+    max_staged_bytes: int
 
 
 @dataclasses.dataclass(slots=True)
@@ -153,7 +156,7 @@ class FetchResult:
 class RegistryState:
     """The table of entries and tombstones. Not thread-safe: one event loop owns it."""
 
-    def __init__(self, limits: Limits = Limits()):
+    def __init__(self, limits: Limits):
         self.limits = limits
         self._live: dict[str, Entry] = {}
         self._ended: OrderedDict[str, Entry] = OrderedDict()  # oldest end first
@@ -206,9 +209,9 @@ class RegistryState:
         requests cannot overshoot the budget by much once they land.
         """
         limits, pending = self.limits, self._live_counts[PENDING]
-        if pending >= limits.max_pending:
+        if pending >= limits.max_pending_requests:
             raise Overloaded(
-                f"{pending} requests are being encoded (max_pending_requests={limits.max_pending}); retry shortly",
+                f"{pending} requests are being encoded (max_pending_requests={limits.max_pending_requests}); retry shortly",
                 req_id,
                 {"retry_after_s": 1},
             )

@@ -7,9 +7,9 @@ import pytest
 import ray
 from ray import serve
 
-from registry import Limits, RegistrySettings, get_or_create_registry, media_input
+from registry import get_or_create_registry, media_input
 from registry.errors import Overloaded
-from support import image_bytes, image_item
+from support import image_bytes, image_item, registry_settings
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong-token-0123456789"}, {"Authorization": "Basic x"}])
@@ -32,10 +32,8 @@ def test_python_handle_is_not_asked_for_the_token(cluster):
 
 
 def test_staged_bytes_limit_refuses_new_requests_with_overloaded(cluster):
-    settings = RegistrySettings(
-        name="admission_registry", namespace="epd-tests", encoder_app="epd", cache_max_bytes=0,
-        limits=Limits(max_staged_bytes=300 * 1024),  # one 224x224 embedding (200 KB) fits, two do not
-    )
+    # One 224x224 embedding (200 KB) fits, two do not.
+    settings = registry_settings("admission_registry", cache_max_bytes=0, max_staged_bytes=300 * 1024)
     registry = get_or_create_registry(settings)
     try:
         images = [image_bytes(224, 224, seed=s) for s in (112, 113, 114)]

@@ -7,8 +7,8 @@ import pytest
 import ray
 from ray import serve
 
-from registry import EmbeddingReceiver, RegistrySettings, get_or_create_registry, media_input
-from support import MODEL_SPEC, image_bytes, reference_embedding, wait_until
+from registry import EmbeddingReceiver, get_or_create_registry, media_input
+from support import MODEL_SPEC, image_bytes, reference_embedding, registry_settings, wait_until
 
 NAMESPACE = "epd-tests"
 
@@ -20,10 +20,7 @@ def _digest(*blobs):
 @pytest.fixture
 def cached_registry(request, cluster):
     """A registry with the cache on, sized by the test, calling the shared app's Encoder."""
-    settings = RegistrySettings(
-        name=f"cache_registry_{request.node.name[:40]}", namespace=NAMESPACE, encoder_app="epd",
-        cache_max_bytes=request.param,
-    )
+    settings = registry_settings(f"cache_registry_{request.node.name[:40]}", NAMESPACE, cache_max_bytes=request.param)
     registry = get_or_create_registry(settings)
     yield registry, settings
     ray.kill(registry)  # its cache's objects go with it; no_leaks checks that they do

@@ -10,9 +10,9 @@ import pytest
 import ray
 from ray import serve
 
-from registry import EmbeddingReceiver, Limits, RegistrySettings, get_or_create_registry, media_input
+from registry import EmbeddingReceiver, get_or_create_registry, media_input
 from registry.errors import Expired, Unavailable
-from support import MODEL_SPEC, image_bytes, image_item, reference_embedding, wait_until
+from support import MODEL_SPEC, image_bytes, image_item, reference_embedding, registry_settings, wait_until
 
 
 def _replica_pid(encoder):
@@ -56,9 +56,7 @@ def test_kill_encoder_replica_after_staging_every_rank_still_fetches(cluster):
 
 
 def test_entry_not_fully_received_within_ttl_expires_and_frees_memory(cluster):
-    settings = RegistrySettings(
-        name="ttl_test_registry", namespace="epd-tests", limits=Limits(ttl_s=1.0), encoder_app="epd"
-    )
+    settings = registry_settings("ttl_test_registry", ttl_s=1.0)
     registry = get_or_create_registry(settings)
     try:
         data = image_bytes(224, 224, seed=23)
@@ -83,7 +81,7 @@ def test_entry_not_fully_received_within_ttl_expires_and_frees_memory(cluster):
 
 @pytest.mark.slow
 def test_registry_crash_restarts_and_lost_entries_fail_fast(cluster):
-    settings = RegistrySettings(name="crash_test_registry", namespace="epd-tests", encoder_app="epd", cache_max_bytes=0)
+    settings = registry_settings("crash_test_registry", cache_max_bytes=0)
     registry = get_or_create_registry(settings)
     receiver = EmbeddingReceiver(0, registry_name=settings.name, registry_namespace=settings.namespace)
     try:

@@ -256,11 +256,12 @@ def test_an_item_the_engine_had_cached_is_acknowledged_not_left_to_its_ttl(clust
 
 
 def test_an_item_that_expires_while_its_request_waits_fails_the_request(cluster, engine):
-    from registry import Limits, RegistrySettings, get_or_create_registry
+    from registry import get_or_create_registry
+    from support import registry_settings
 
     cfg, _ = engine
     # A registry of its own with a 1 s ttl, encoding through the same Encoder deployment.
-    settings = RegistrySettings(name=f"short-ttl-{uuid.uuid4().hex[:6]}", namespace="epd", limits=Limits(ttl_s=1.0))
+    settings = registry_settings(f"short-ttl-{uuid.uuid4().hex[:6]}", "epd", ttl_s=1.0)
     registry = get_or_create_registry(settings)
     short = pickle.loads(pickle.dumps(cfg))
     short.ec_transfer_config.ec_connector_extra_config["registry_name"] = settings.name

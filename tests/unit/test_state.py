@@ -16,7 +16,13 @@ from registry.errors import (
     Unavailable,
     UnknownRequest,
 )
-from registry.state import IllegalTransition, Limits, RegistryState, StagedItem
+from deployments.config import AppConfig
+from registry.state import IllegalTransition, RegistryState, StagedItem
+
+
+def limits(**changed):
+    """The app's default limits (``AppConfig``, their one home), with ``changed`` applied."""
+    return AppConfig(**changed).limits()
 
 
 def staged_items(n=2, nbytes=100):
@@ -25,7 +31,7 @@ def staged_items(n=2, nbytes=100):
 
 @pytest.fixture
 def state():
-    return RegistryState(Limits(ttl_s=10, encode_timeout_s=5, max_receive_count=8, tombstone_ttl_s=100, max_tombstones=3))
+    return RegistryState(limits(ttl_s=10, encode_timeout_s=5, max_receive_count=8, tombstone_ttl_s=100, max_tombstones=3))
 
 
 def stage_new(state, req_id="r", receive_count=2, now=0.0, n=2):
@@ -244,7 +250,7 @@ def test_failed_entry_keeps_no_traceback_of_the_failure(state):
 
 
 def test_admission_refuses_new_requests_past_max_pending_but_answers_retries():
-    state = RegistryState(Limits(max_pending=2))
+    state = RegistryState(limits(max_pending_requests=2))
     first, _ = state.accept("a", "d", 1, 0.0)
     state.accept("b", "d", 1, 0.0)
     with pytest.raises(Overloaded) as info:
@@ -258,7 +264,7 @@ def test_admission_refuses_new_requests_past_max_pending_but_answers_retries():
 
 
 def test_admission_projects_staged_bytes_over_pending_requests():
-    state = RegistryState(Limits(max_staged_bytes=500))
+    state = RegistryState(limits(max_staged_bytes=500))
     stage_new(state, "a", receive_count=1, n=2)  # 200 bytes staged; mean entry 200
     stage_new(state, "b", receive_count=1, n=2)  # 400
     state.accept("c", "d", 1, 0.0)  # 400 + 0 pending < 500: admitted, now pending

@@ -28,9 +28,10 @@ from registry.errors import (
     Unavailable,
     UnknownRequest,
 )
-from registry.state import Limits, RegistryState, StagedItem
+from deployments.config import AppConfig
+from registry.state import RegistryState, StagedItem
 
-LIMITS = Limits(ttl_s=10.0, encode_timeout_s=5.0, max_receive_count=3, tombstone_ttl_s=30.0, max_tombstones=4)
+LIMITS = AppConfig(ttl_s=10.0, encode_timeout_s=5.0, max_receive_count=3, tombstone_ttl_s=30.0, max_tombstones=4).limits()
 REQ_IDS = st.sampled_from(["a", "b", "c", "d", "e", "f"])
 DIGESTS = st.sampled_from(["x", "y"])
 ITEMS_PER_ENTRY = 2
