@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -92,46 +93,74 @@ class EmbeddingReceiver:
             self._registry = lookup_registry(self._name, self._namespace)
         return self._registry
 
-    def fetch(self, req_id: str, timeout_s: float = 30.0) -> list[ReceivedItem]:
-        """Blocking fetch. In an async actor use ``fetch_async`` (this would block its loop)."""
+    # One set of rules for both APIs: ``_fetch_steps`` says what to wait for, in order, and
+    # what to do with each answer; ``fetch`` and ``fetch_async`` only carry the steps out,
+    # blocking or awaiting, each wait bounded by ``timeout_s`` + ``_CALL_GRACE_S``.
+
+    def _fetch_steps(self, req_id: str, timeout_s: float) -> Generator[tuple[str, Any], Any, list[ReceivedItem]]:
+        handle = yield ("handle", None)
         try:
-            try:
-                call = self._handle().fetch.remote(req_id, self.rank, timeout_s)
-                pairs = ray.get(call, timeout=timeout_s + _CALL_GRACE_S)
-            except ray_exc.ActorDiedError:
-                # A registry recreated under the same name is a new actor: find it and ask once more
-                # (a fetch is idempotent for a rank).
-                self._registry = None
-                pairs = ray.get(self._handle().fetch.remote(req_id, self.rank, timeout_s), timeout=timeout_s + _CALL_GRACE_S)
-            try:
-                values = ray.get([ref for _, ref in pairs], timeout=_CALL_GRACE_S + timeout_s)
-            except _LOST:
-                self._report_lost(req_id)
-                raise
-        except Exception as exc:  # noqa: BLE001 - translated to the project's errors
-            raise _translate(exc, req_id) from None
+            pairs = yield ("get", handle.fetch.remote(req_id, self.rank, timeout_s))
+        except ray_exc.ActorDiedError:
+            # A registry recreated under the same name is a new actor: find it and ask once more
+            # (a fetch is idempotent for a rank).
+            self._registry = None
+            handle = yield ("handle", None)
+            pairs = yield ("get", handle.fetch.remote(req_id, self.rank, timeout_s))
+        try:
+            values = yield ("get", [ref for _, ref in pairs])
+        except _LOST:
+            yield ("report_lost", req_id)
+            raise
         return _items(pairs, values)
 
-    async def fetch_async(self, req_id: str, timeout_s: float = 30.0) -> list[ReceivedItem]:
-        """``fetch`` for event loops (async actors, FastAPI handlers)."""
+    def fetch(self, req_id: str, timeout_s: float = 30.0) -> list[ReceivedItem]:
+        """Blocking fetch. In an async actor use ``fetch_async`` (this would block its loop)."""
+        steps, answer, error = self._fetch_steps(req_id, timeout_s), None, None
         try:
-            try:
-                pairs = await self._handle().fetch.remote(req_id, self.rank, timeout_s)
-            except ray_exc.ActorDiedError:
-                self._registry = None  # as in fetch
-                pairs = await self._handle().fetch.remote(req_id, self.rank, timeout_s)
-            try:
-                # A deadline as in ``fetch``: under load Ray has been seen (about one read in
-                # 3,000, several ranks of one process reading one entry) never to answer one.
-                values = await asyncio.wait_for(asyncio.gather(*(ref for _, ref in pairs)), _CALL_GRACE_S + timeout_s)
-            except TimeoutError:
-                raise NotReady(f"reading the staged embeddings of req_id {req_id} timed out", req_id) from None
-            except _LOST:
-                await asyncio.to_thread(self._report_lost, req_id)
-                raise
+            while True:
+                kind, what = steps.throw(error) if error is not None else steps.send(answer)
+                answer = error = None
+                try:
+                    if kind == "handle":
+                        answer = self._handle()
+                    elif kind == "get":
+                        answer = ray.get(what, timeout=timeout_s + _CALL_GRACE_S)
+                    else:
+                        self._report_lost(what)
+                except Exception as exc:  # noqa: BLE001 - handed to the rules, which decide
+                    error = exc
+        except StopIteration as done:
+            return done.value
+        except Exception as exc:  # noqa: BLE001 - translated to the project's errors
+            raise _translate(exc, req_id) from None
+
+    async def fetch_async(self, req_id: str, timeout_s: float = 30.0) -> list[ReceivedItem]:
+        """``fetch`` for event loops (async actors, FastAPI handlers): the same rules, awaited."""
+        steps, answer, error = self._fetch_steps(req_id, timeout_s), None, None
+        try:
+            while True:
+                kind, what = steps.throw(error) if error is not None else steps.send(answer)
+                answer = error = None
+                try:
+                    if kind == "handle":
+                        # The first lookup asks the GCS: off the event loop.
+                        answer = self._registry or await asyncio.to_thread(self._handle)
+                    elif kind == "get":
+                        # Bounded as in ``fetch``: under load Ray has been seen (about one read in
+                        # 3,000, several ranks of one process reading one entry) never to answer one.
+                        waiting = asyncio.gather(*what) if isinstance(what, list) else what
+                        answer = await asyncio.wait_for(waiting, timeout_s + _CALL_GRACE_S)
+                    else:
+                        await asyncio.to_thread(self._report_lost, what)
+                except TimeoutError:
+                    error = NotReady(f"fetching req_id {req_id} timed out", req_id)
+                except Exception as exc:  # noqa: BLE001 - handed to the rules, which decide
+                    error = exc
+        except StopIteration as done:
+            return done.value
         except Exception as exc:  # noqa: BLE001
             raise _translate(exc, req_id) from None
-        return _items(pairs, values)
 
     def acknowledge(self, req_id: str, timeout_s: float = 0.0) -> bool:
         """Count this rank as a receiver of ``req_id`` without reading its bytes.
