@@ -1,4 +1,4 @@
-"""Benchmarks of the encoder service (issue 5): one command, ``python -m benchmarks [--quick] [--out DIR]``.
+"""Benchmarks of the encoder service: one command, ``python -m benchmarks [--quick] [--out DIR]``.
 
 It starts a local Ray cluster of its own (never touching another one), measures
 in one run, each against baselines measured side by side,

@@ -137,7 +137,7 @@ def run(ctx: Context, app: standin.StandInApp) -> None:
         {"concurrency": top},
         how="lifecycles/s x registry calls per lifecycle / raw no-op calls/s",
     )
-    # Not the target, a diagnosis: each lifecycle also needs the registry's one Serve
+    # Not a target, a diagnosis: each lifecycle also needs the registry's one Serve
     # call to the encoder, whose no-op rate is measured the same way.
     results.ratio(
         SECTION,

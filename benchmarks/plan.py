@@ -15,11 +15,11 @@ from typing import Any
 
 from benchmarks.stats import Results
 
-# The sections, numbered as in the issue; they run staging first (its cold burst needs
+# The sections, in the report's order; they run staging first (its cold burst needs
 # object-store pages no other section has touched).
 SECTIONS = ("fetch", "staging", "registry", "memory", "e2e")
 RUN_ORDER = ("staging", "fetch", "registry", "memory", "e2e")
-# Embedding sizes of the fetch and staging sections (the issue's 0.5, 4.7 and 19 MB):
+# Embedding sizes of the fetch and staging sections (0.5, 4.7 and 19 MB):
 # 64, 576 and 2304 tokens of a 4096-wide bfloat16 embedding.
 SIZES = (64 * 8192, 576 * 8192, 2304 * 8192)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-# The order, whatever order the sections ran in.
+# The report's order, whatever order the sections ran in.
 ORDER = ("fetch", "staging", "registry", "e2e", "memory")
 CAVEAT = (
     "Measured on a shared machine: absolute times move with whatever else runs (the load average is given "

@@ -4,7 +4,7 @@ Every number the benchmark reports is a *figure*: a name, labels (such as the
 embedding size), a value, a unit and, for distributions, the percentiles and the
 sample count it came from. A *ratio* divides two figures measured side by side
 in the same run; a *target* compares one ratio (or a count) with the value the
-issue asks for. Absolute times on shared machines are noisy, so only ratios are
+service aims for. Absolute times on shared machines are noisy, so only ratios are
 ever judged.
 """
 

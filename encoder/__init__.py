@@ -1,4 +1,5 @@
-"""Model loading, preprocessing and the forward pass. Imports no Ray.
+"""The encoder side: request items to bytes (media policy, fetching), image decoding,
+content hashes, and the vision towers (loading, preprocessing, the forward pass). Imports no Ray.
 
 Importing the package does not import torch: the ingress and the registry use
 its media, hashing and spec parts, and torch would cost each of their processes

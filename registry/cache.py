@@ -1,7 +1,7 @@
 """The content-hash encoder cache: identical media items are encoded once.
 
 Keys are ``mm_hash`` values (item bytes + model identity, see
-``encoder.base.content_hash``); values are staged items (metadata + ObjectRef)
+``encoder.hashing.mm_hash``); values are staged items (metadata + ObjectRef)
 that entries share. The cache is bounded by the bytes of the embeddings it
 holds and evicts the least recently used first.
 

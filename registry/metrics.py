@@ -1,8 +1,9 @@
 """The registry's metrics (Ray metrics API: Ray dashboard and Prometheus, ``ray_`` prefixed).
 
 Kept out of the state machine so the rules stay testable without Ray; the actor
-publishes ``RegistryState.stats()`` and the cache's stats through ``sync`` after
-every change: gauges as they are, running totals as counter increments.
+publishes ``RegistryState.stats()`` and the cache's stats through ``sync`` at most
+every 0.5 s while the table changes (``registry.actor``'s publish loop): gauges as
+they are, running totals as counter increments.
 """
 
 from __future__ import annotations

@@ -18,7 +18,6 @@ import hashlib
 import json
 import os
 import pathlib
-import socket
 import sys
 import time
 
@@ -29,6 +28,7 @@ from ray.cluster_utils import Cluster
 TESTS = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(TESTS))
 
+from benchmarks.cluster import free_port  # noqa: E402
 from deployments import compose_app  # noqa: E402
 from registry import lookup_registry  # noqa: E402
 from support import RankActor, image_bytes, image_item, object_store_bytes_in_use, reference_embedding, wait_until  # noqa: E402
@@ -36,12 +36,6 @@ from support import RankActor, image_bytes, image_item, object_store_bytes_in_us
 MODEL = {"family": "tiny-vit", "dtype": "bfloat16"}
 REGISTRY = {"registry_name": "node_death_registry", "registry_namespace": "epd-node-death"}
 MiB = 1024 * 1024
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _deploy(node_resource: str) -> None:
@@ -88,7 +82,7 @@ def main() -> None:
         cluster.add_node(num_cpus=1, resources={"node_b": 1}, object_store_memory=150 * MiB)
         pythonpath = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
         ray.init(address=cluster.address, namespace="epd-node-death", runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
-        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": _free_port()})
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": free_port()})
         report = run(cluster, node_a)
         print(json.dumps(report))
     finally:

@@ -48,7 +48,7 @@ def test_results_json_holds_the_schema(quick_run):
 
 
 @pytest.mark.slow
-def test_every_figure_of_the_issue_is_present_and_numeric(quick_run):
+def test_every_figure_of_the_report_is_present_and_numeric(quick_run):
     _, doc = quick_run
     figures = doc["figures"]
 

@@ -11,22 +11,16 @@ import gc
 import os
 import pathlib
 import secrets
-import socket
 
 import httpx
 import pytest
 import ray
 from ray import serve
 
+from benchmarks.cluster import free_port
 from deployments import compose_app
 from registry import lookup_registry
 from support import APP_ARGS, RankActor, deployment_options, image_bytes, media_server, object_refs_in_use, object_store_bytes_in_use, registry_stats, wait_until
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclasses.dataclass
@@ -50,7 +44,7 @@ AUTH = {"Authorization": f"Bearer {API_TOKEN}"}
 def cluster(tmp_path_factory):
     # Workers import the test helpers (RankActor) from tests/.
     tests_dir = str(pathlib.Path(__file__).resolve().parents[1])
-    metrics_port = _free_port()
+    metrics_port = free_port()
     ray.init(
         num_cpus=8,
         num_gpus=2,
@@ -60,7 +54,7 @@ def cluster(tmp_path_factory):
         _system_config={"metrics_report_interval_ms": 1000},
         runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")]))}},
     )
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     media_root = tmp_path_factory.mktemp("media")
     (media_root / "local.png").write_bytes(MEDIA_FILES["/img.png"])

@@ -10,7 +10,7 @@ from ray import serve
 
 from registry import lookup_registry
 from registry.errors import InvalidRank, NotReady
-from support import MODEL_SPEC, RankActor, image_bytes, image_item, reference_embedding, registry_stats
+from support import INLINE_OBJECT_LIMIT, MODEL_SPEC, RankActor, image_bytes, image_item, reference_embedding, registry_stats
 
 
 def new_id(prefix="r"):
@@ -57,7 +57,7 @@ def test_tp_ranks_get_identical_bytes_equal_to_the_encoder_output(cluster, tp):
 def test_repeated_fetch_by_one_rank_does_not_release_and_is_zero_copy(cluster):
     out = encode(cluster, [image_bytes(224, 224, seed=3)], receive_count=2)
     # Objects over 100 KB live in the shared object store; smaller ones travel inline (copied).
-    assert out["items"][0]["nbytes"] > 100 * 1024
+    assert out["items"][0]["nbytes"] > INLINE_OBJECT_LIMIT
     rank0 = cluster.ranks[0]
     first = ray.get(rank0.fetch.remote(out["req_id"], hold=True))
     second = ray.get(rank0.fetch.remote(out["req_id"]))
