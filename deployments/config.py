@@ -52,7 +52,7 @@ class ModelConfig(BaseModel):
     )
     device: str = Field("auto", description='"auto" (CUDA when the replica has a GPU, else CPU), "cpu" or "cuda".')
     options: dict[str, Any] = Field(
-        default_factory=dict, description="Family-specific settings (see the README's Models section)."
+        default_factory=dict, description="Family-specific settings (see docs/models.md)."
     )
 
     @model_validator(mode="after")
