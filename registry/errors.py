@@ -143,10 +143,13 @@ def unwrap(exc: BaseException) -> BaseException:
     """The ``RegistryError`` inside a Ray task error, or ``exc`` itself.
 
     Ray re-raises an actor's exception as a ``RayTaskError`` that also subclasses
-    the original class; handing back the original keeps tracebacks and
-    ``type(e)`` what the user expects.
+    the original class; handing back the original class keeps ``type(e)`` what the
+    user expects. It is a fresh copy: the Ray error holds its ``cause``, so raising
+    the cause itself in an ``except`` block that names the Ray error makes a cycle
+    (cause -> traceback -> frame -> Ray error -> cause) that pins the frame's locals,
+    such as a refused request's input ObjectRefs, until the garbage collector runs.
     """
     cause = getattr(exc, "cause", None)
     if isinstance(cause, RegistryError):
-        return cause
+        return cause.fresh()
     return exc

@@ -1,6 +1,8 @@
 """The error hierarchy: stable codes, one status table, pickling across processes."""
 
+import gc
 import pickle
+import weakref
 
 import pytest
 
@@ -36,16 +38,46 @@ def test_error_body_and_masking():
     assert errors.NotReady("wait longer").to_dict() == {"error": {"code": "not_ready", "message": "wait longer"}}
 
 
-def test_unwrap_returns_the_cause_of_a_ray_style_wrapper():
-    cause = errors.Expired("gone", "r")
+class _RayStyleWrapper(Exception):
+    """What Ray raises for an actor's exception: it holds the original as ``cause``."""
 
-    class Wrapper(Exception):
-        def __init__(self):
-            self.cause = cause
+    def __init__(self, cause):
+        self.cause = cause
 
-    assert errors.unwrap(Wrapper()) is cause
+
+def test_unwrap_returns_a_copy_of_the_cause_of_a_ray_style_wrapper():
+    cause = errors.Expired("gone", "r", {"ranks": [0]})
+    got = errors.unwrap(_RayStyleWrapper(cause))
+    assert type(got) is errors.Expired and got is not cause
+    assert (got.message, got.req_id, got.details) == ("gone", "r", {"ranks": [0]})
     plain = ValueError("x")
     assert errors.unwrap(plain) is plain
+
+
+def test_raising_the_unwrapped_error_frees_the_frame_s_locals_without_the_collector():
+    class Inputs:  # stands for a refused request's input ObjectRefs
+        pass
+
+    def refuse(inputs):
+        try:
+            raise _RayStyleWrapper(errors.Overloaded("full"))
+        except _RayStyleWrapper as exc:
+            raise errors.unwrap(exc) from None
+
+    inputs = Inputs()
+    alive = weakref.ref(inputs)
+    gc.disable()  # only reference counting frees: a cycle would keep the frame, and inputs, alive
+    try:
+        try:
+            refuse(inputs)
+        except errors.Overloaded:
+            pass
+        else:
+            pytest.fail("refuse() raised nothing")
+        del inputs
+        assert alive() is None
+    finally:
+        gc.enable()
 
 
 def test_http_error_response_headers():
