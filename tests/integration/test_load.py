@@ -12,12 +12,14 @@ import time
 
 import httpx
 import pytest
+import ray
 from ray import serve
 
 from deployments import compose_app
-from registry.errors import Overloaded
+from registry import lookup_registry
+from registry.errors import Overloaded, UnknownRequest
 from support import (
-    MODEL_SPEC, deployment_options, image_bytes, image_item, object_store_usage, reference_embedding, registry_stats,
+    INLINE_OBJECT_LIMIT, MODEL_SPEC, deployment_options, image_bytes, image_item, object_refs_in_use, object_store_usage, reference_embedding, registry_stats,
     wait_until,
 )
 
@@ -133,13 +135,24 @@ def test_overload_past_the_limits_answers_only_overloaded_and_memory_stays_bound
         assert stats["staged"] == codes.count(200) and stats["staged_bytes"] <= bound
         # The request bodies in flight (in the object store as call arguments) are freed as
         # the calls end; what stays is the staged bytes, within the bound.
-        in_store = wait_until(
-            lambda: (used := object_store_usage()[0] - plasma_before) <= 1.1 * bound and max(used, 1), 20,
-            what=f"object store use within 1.1 x {bound} bytes",
-        )
-        # The Python handle answers the same code.
+        # Freeing is asynchronous (each owner tells the store), so give it time on a slow machine;
+        # the bytes still in use show in the message if it never comes down.
+        def growth():
+            return object_store_usage()[0] - plasma_before
+
+        try:
+            in_store = wait_until(lambda: (used := growth()) <= 1.1 * bound and max(used, 1), 60)
+        except AssertionError:
+            raise AssertionError(f"object store use {growth()} bytes over its level before the burst, "
+                                 f"bound 1.1 x {bound}; registry {registry_stats()}; referenced (bytes, holders): "
+                                 f"{[v for v in object_refs_in_use().values() if v[0] > INLINE_OBJECT_LIMIT]}") from None
+        # The Python handle answers the same code. The burst may have stopped just under the
+        # staged-bytes limit, so one more entry can fit before the refusal.
+        handle = serve.get_app_handle("epd")
         with pytest.raises(Overloaded):
-            serve.get_app_handle("epd").encode.remote(bodies[codes.index(429)]).result()
+            for i in [i for i, c in enumerate(codes) if c == 429][:3]:
+                handle.encode.remote(bodies[i]).result()
+                codes[i] = 200  # it fitted: fetched below with the others
 
         # 2. Nothing is lost: once a rank fetches, clients that honour Retry-After get through.
         refused = [b for b, c in zip(bodies, codes) if c == 429]
@@ -170,6 +183,13 @@ def test_overload_past_the_limits_answers_only_overloaded_and_memory_stays_bound
                 f"after {sum(n for _, n in retried)} more refusals"
             )
     finally:
+        # Whatever happened above, leave no entry behind for the next test to trip over.
+        registry = lookup_registry()
+        for ref in [registry.cancel.remote(b["req_id"]) for b in bodies]:
+            try:
+                ray.get(ref)
+            except UnknownRequest:  # refused and never retried
+                pass
         serve.run(compose_app(cluster.app_args, deployment_options=deployment_options()), name="epd", route_prefix="/")
         wait_until(lambda: registry_stats()["max_staged_bytes"] > OVERLOAD_LIMITS["max_staged_bytes"], 30,
                    what="the suite's limits back")
