@@ -17,7 +17,6 @@ in one run, each against baselines measured side by side,
 and writes ``results.json`` (schema: ``benchmarks.schema``), ``results.md`` and two
 PNG plots into the output directory (default ``benchmarks/results``). Each section's
 module docstring states what it measures and how. The default mode takes under
-5 minutes on a 2-core machine (about 4); ``--quick`` (the CI smoke run) under one
-(54-57 s in the latest runs there; the README's Performance section says where the
-time goes).
+5 minutes on a 2-core machine; ``--quick`` (the CI smoke run) under one
+(docs/performance.md says where the time goes).
 """
