@@ -60,7 +60,10 @@ def encode_error(exc: BaseException, req_id: str, index: int) -> RegistryError:
             f"items[{index}]: the input bytes were lost before the encoder read them (the process "
             "that stored them died); retry the request", req_id,
         )
-    return EncodeFailed(f"items[{index}]: {type(exc).__name__}: {exc}", req_id)
+    # The model's own exception, not Ray's wrapper (whose text is a colored header of the
+    # replica's actor ids, then the remote traceback): that is what an operator needs to read.
+    cause = getattr(exc, "cause", None) or exc
+    return EncodeFailed(f"items[{index}]: {type(cause).__name__}: {cause}", req_id)
 
 
 @dataclasses.dataclass

@@ -76,3 +76,29 @@ def test_logging_config_json_gives_json_lines_carrying_the_req_id(cluster):
     finally:
         serve.delete(name)
         ray.kill(ray.get_actor(f"{name}-registry", namespace="epd"))
+
+
+@pytest.mark.slow
+def test_an_encode_failure_leaves_one_error_line_with_req_id_code_and_the_model_s_exception(cluster):
+    # A misconfigured tower: it loads, and every forward pass raises (its position table is
+    # built for a width divisible by 4, its patches are 130 wide).
+    name = f"epd-broken-{uuid.uuid4().hex[:6]}"
+    args = {**APP_ARGS, "registry_name": f"{name}-registry", "api_token": cluster.app_args["api_token"],
+            "model": {"family": "tiny-vit", "options": {"hidden_size": 130, "num_heads": 2}}}
+    serve.run(compose_app(args, deployment_options=deployment_options()), name=name, route_prefix=f"/{name}")
+    try:
+        offsets = log_offsets()
+        req_id = f"broken-{uuid.uuid4().hex[:8]}"
+        response = cluster.http.post(f"/{name}/v1/encode", json={"req_id": req_id, "items": [image_item(image_bytes(32, 32, seed=54))]})
+        assert response.status_code == 500 and response.json()["error"]["code"] == "encode_failed"
+        assert "RuntimeError" not in response.text  # masked in the answer, named in the log
+
+        found = wait_until(lambda: lines_naming(req_id, offsets), 20, what=f"a log line naming {req_id}")
+        (record,) = records(found)
+        assert all(line.startswith("ERROR") for lines in found.values() for line in lines), found
+        # The model's exception itself, not Ray's wrapper of it.
+        assert "code=encode_failed: items[0]: RuntimeError: The size of tensor a (130)" in record, record
+        assert "RayTaskError" not in record
+    finally:
+        serve.delete(name)
+        ray.kill(ray.get_actor(f"{name}-registry", namespace="epd"))

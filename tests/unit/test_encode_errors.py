@@ -30,6 +30,11 @@ def test_anything_else_is_encode_failed_with_the_cause():
     assert "CUDA" not in err.to_dict(mask=True)["error"]["message"]
 
 
+def test_a_model_exception_raised_in_the_replica_is_named_not_ray_s_wrapper():
+    err = _encode_error(_RayStyleWrapper(ValueError("pixel_values has 3 dims, want 4")), "r1", 0)
+    assert isinstance(err, EncodeFailed) and err.message == "items[0]: ValueError: pixel_values has 3 dims, want 4"
+
+
 def test_a_replica_dying_again_on_the_retry_is_retryable_unavailable():
     from ray.exceptions import ActorDiedError
 
