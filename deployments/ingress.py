@@ -48,7 +48,7 @@ from registry.errors import (
     http_status,
     unwrap,
 )
-from registry.logs import get_logger, log_error, quiet_client_errors
+from registry.logs import get_logger, log_error, quiet_client_errors, replica_log_format
 from registry.settings import MAX_WAIT_S, api_token_from_env
 
 logger = get_logger(__name__)
@@ -131,7 +131,10 @@ class Ingress:
         self._settings = self._config.registry_settings(encoder.app_name, encoder.deployment_name)
         self._registry = get_or_create_registry(self._settings)
         # Blocking is fine here: the replica serves nothing until its constructor returns.
-        ray.get(self._registry.configure.remote(self._settings))
+        ray.get([
+            self._registry.configure.remote(self._settings),
+            self._registry.configure_logging.remote(*replica_log_format()),
+        ])
 
     def _authorize(self, request: Request) -> None:
         """With a token configured, every route but /health needs ``Authorization: Bearer <token>``."""
@@ -167,6 +170,7 @@ class Ingress:
         try:
             self._registry = await asyncio.to_thread(get_or_create_registry, self._settings)
             await self._registry.configure.remote(self._settings, after_loss=True)
+            await self._registry.configure_logging.remote(*replica_log_format())
         except Exception:  # noqa: BLE001 - the next call tries again
             pass
 

@@ -131,6 +131,11 @@ class EmbeddingRegistry:
         self._state.limits = await asyncio.to_thread(_effective_limits, settings)
         self._timer_wake.set()
 
+    async def configure_logging(self, level: int, encoding: str) -> None:
+        """Log at ``level`` in ``encoding`` ("TEXT" or "JSON"): the app's ``logging_config``,
+        as its Ingress replica got it from Serve."""
+        configure_actor_logging(level, encoding)
+
     async def ping(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "started_at": self._started_at, "name": self._settings.name}
 

@@ -4,8 +4,8 @@ Loggers are children of ``ray.serve`` (``get_logger(__name__)`` -> ``ray.serve.<
 as Ray Serve LLM names its own: inside a replica they write through the handlers Serve
 set up from the app's ``logging_config`` (level, ``encoding: JSON``, the replica's log
 file), with the replica's request id on each line. The registry actor is no replica, so
-``configure_actor_logging`` gives it a stream handler (its Ray worker log) in Serve's
-text layout.
+``configure_actor_logging`` gives it a stream handler (its Ray worker log) at the level
+and in the encoding (Serve's text layout or JSON) of the Ingress that configured it last.
 
 Every line about a request names its ``req_id``, and an error line its code and cause.
 Each ``RegistryError`` is logged once, by the component that knows its req_id (the
@@ -19,6 +19,7 @@ exception (a bug, a model crash) keeps its traceback.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 
@@ -68,16 +69,53 @@ def quiet_client_errors() -> None:
         logger.addFilter(_FILTER)
 
 
-def configure_actor_logging(level: int | str = logging.INFO) -> None:
-    """Log this (non-replica) actor's ``ray.serve.*`` lines to its Ray worker log."""
+class _JsonFormatter(logging.Formatter):
+    """One JSON object per line, with the keys Serve's JSON lines use for the same fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "asctime": self.formatTime(record), "levelname": record.levelname, "name": record.name,
+            "process": record.process, "message": record.getMessage(),
+        }
+        if record.exc_info:
+            out["exc_text"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+_ACTOR_HANDLER: logging.Handler | None = None
+
+
+def configure_actor_logging(level: int | str = logging.INFO, encoding: str = "TEXT") -> None:
+    """Log this (non-replica) actor's ``ray.serve.*`` lines to its Ray worker log, at
+    ``level``, as Serve's text layout or (``encoding="JSON"``) one JSON object a line.
+    Called again, it changes the level and layout of the same handler."""
+    global _ACTOR_HANDLER
+    # Importing Serve replaces this logger's handlers with its default one (once per
+    # process), so let that happen first, then take the logger over.
+    import ray.serve  # noqa: F401
+
     logger = logging.getLogger(_SERVE_LOGGER)
-    if logger.handlers:
-        return
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter(_TEXT_FORMAT))
-    logger.addHandler(handler)
-    logger.setLevel(level)
+    if _ACTOR_HANDLER is None:
+        _ACTOR_HANDLER = logging.StreamHandler()
+    for handler in list(logger.handlers):
+        if handler is not _ACTOR_HANDLER:
+            logger.removeHandler(handler)
+    if _ACTOR_HANDLER not in logger.handlers:
+        logger.addHandler(_ACTOR_HANDLER)
     logger.propagate = False
+    _ACTOR_HANDLER.setFormatter(_JsonFormatter() if encoding.upper() == "JSON" else logging.Formatter(_TEXT_FORMAT))
+    logger.setLevel(level)
+
+
+def replica_log_format() -> tuple[int, str]:
+    """(level, ``"JSON"`` or ``"TEXT"``) of this replica's logging, as Serve set it up from
+    the app's ``logging_config``: what the registry actor should log with too."""
+    logger = logging.getLogger(_SERVE_LOGGER)
+    # Serve buffers its file handler behind a MemoryHandler (``target``); the formatter is
+    # matched by class name because Serve's JSON formatter lives in a private Ray module.
+    formatters = [getattr(getattr(h, "target", None) or h, "formatter", None) for h in logger.handlers]
+    json_used = any(type(f).__name__ == "JSONFormatter" for f in formatters)
+    return logger.level or logging.INFO, "JSON" if json_used else "TEXT"
 
 
 class RateLimited:

@@ -52,30 +52,55 @@ def test_a_refusal_by_the_ingress_itself_is_logged_there_once(cluster):
 
 
 @pytest.mark.slow
-def test_logging_config_json_gives_json_lines_carrying_the_req_id(cluster):
+def test_logging_config_json_debug_gives_json_lines_that_trace_a_req_id(cluster):
     from ray.serve.schema import LoggingConfig
 
+    from support import RankActor
+
     name = f"epd-json-{uuid.uuid4().hex[:6]}"
-    args = {**APP_ARGS, "registry_name": f"{name}-registry", "api_token": cluster.app_args["api_token"]}
+    registry = {"registry_name": f"{name}-registry", "registry_namespace": "epd"}
+    args = {**APP_ARGS, **registry, "api_token": cluster.app_args["api_token"]}
     serve.run(
         compose_app(args, deployment_options=deployment_options()), name=name, route_prefix=f"/{name}",
-        logging_config=LoggingConfig(encoding="JSON", log_level="INFO"),
+        logging_config=LoggingConfig(encoding="JSON", log_level="DEBUG"),
     )
+    rank = RankActor.remote(0, registry["registry_name"], registry["registry_namespace"])
     try:
         offsets = log_offsets()
-        req_id = f"json-{uuid.uuid4().hex[:8]}"
-        body = {"req_id": req_id, "items": [image_item(image_bytes(32, 32, seed=53))] * 17}
+        # Refused by the Ingress: one JSON line in its Serve log.
+        refused = f"json-{uuid.uuid4().hex[:8]}"
+        body = {"req_id": refused, "items": [image_item(image_bytes(32, 32, seed=53))] * 17}
         assert cluster.http.post(f"/{name}/v1/encode", json=body).status_code == 422
-        found = wait_until(lambda: lines_naming(req_id, offsets), 20, what=f"a log line naming {req_id}")
+        found = wait_until(lambda: lines_naming(refused, offsets), 20, what=f"a log line naming {refused}")
         serve_lines = [line for path, lines in found.items() if "/serve/" in path for line in lines]
         assert len(serve_lines) == 1, found
-        (line,) = serve_lines
-        record = json.loads(line)
-        assert record["levelname"] == "INFO" and f"req_id={req_id}" in record["message"]
+        record = json.loads(serve_lines[0])
+        assert record["levelname"] == "INFO" and f"req_id={refused}" in record["message"]
         assert "code=invalid_request" in record["message"]
+
+        # Served: the registry's DEBUG lines trace it, as JSON in its worker log.
+        served = f"json-{uuid.uuid4().hex[:8]}"
+        body = {"req_id": served, "receive_count": 1, "items": [image_item(image_bytes(32, 32, seed=55))]}
+        assert cluster.http.post(f"/{name}/v1/encode", json=body).status_code == 200
+        assert ray.get(rank.fetch.remote(served, timeout_s=30)).get("error") is None
+
+        def registry_records():
+            lines = [line[line.index("{"):] for path, lines in lines_naming(served, offsets).items()
+                     if "/serve/" not in path for line in lines if '"levelname"' in line]
+            messages = [json.loads(line)["message"] for line in lines]
+            return messages if any("released" in m for m in messages) else None
+
+        try:
+            messages = wait_until(registry_records, 20)
+        except AssertionError:
+            raise AssertionError(f"no JSON line of the registry says {served} was released; "
+                                 f"lines naming it: {lines_naming(served, offsets)}") from None
+        for step in ("accepted: 1 items", "staged:", "rank 0 received it; released"):
+            assert any(f"req_id={served} {step}" in m for m in messages), (step, messages)
     finally:
+        ray.kill(rank)
         serve.delete(name)
-        ray.kill(ray.get_actor(f"{name}-registry", namespace="epd"))
+        ray.kill(ray.get_actor(registry["registry_name"], namespace="epd"))
 
 
 @pytest.mark.slow
