@@ -23,10 +23,12 @@ from ray.serve import metrics
 from deployments.config import BatchConfig, ModelConfig
 from encoder import EncodedItem, Media, MediaError, PreparedItem, Video
 from registry.errors import InvalidRequest
-from registry.logs import quiet_client_errors
+from registry.logs import get_logger, quiet_client_errors
 
 if TYPE_CHECKING:
     from encoder import VisionEncoder
+
+logger = get_logger(__name__)
 
 _FORWARD_BOUNDARIES_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5]
 _BATCH_BOUNDARIES = [1, 2, 4, 8, 16, 32, 64, 128]
@@ -73,14 +75,17 @@ class Encoder:
         self._encode_batch.set_max_batch_size(self._batch.max_batch_size)
         self._encode_batch.set_batch_wait_timeout_s(self._batch.batch_wait_timeout_s)
 
-    async def encode(self, media: Media) -> EncodedItem:
-        """Embed one media item: an image's raw bytes, or a ``Video`` of frames."""
+    async def encode(self, media: Media, req_id: str | None = None) -> EncodedItem:
+        """Embed one media item: an image's raw bytes, or a ``Video`` of frames. ``req_id``
+        (the first request that asked for it) only names the item in DEBUG lines."""
         if not isinstance(media, (bytes, Video)):
             raise InvalidRequest(f"encode takes image bytes or a Video, got {type(media).__name__}")
         self._in_progress += 1
         try:
             prepared = await asyncio.to_thread(self._encoder.prepare, media)
-            return await self._encode_batch(prepared)
+            encoded = await self._encode_batch(prepared)
+            logger.debug("req_id=%s encoded: shape %s %s", req_id, encoded.meta["shape"], encoded.meta["dtype"])
+            return encoded
         except MediaError as exc:
             raise InvalidRequest(str(exc)) from None
         finally:

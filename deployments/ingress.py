@@ -208,6 +208,7 @@ class Ingress:
             except MediaError as exc:
                 raise InvalidRequest(f"items[{index}]: {exc}", req_id) from None
 
+        logger.debug("req_id=%s received: %d items, receive_count=%s", req_id, len(request.items), request.receive_count)
         inputs = await asyncio.gather(*(unwrap_item(i, item) for i, item in enumerate(request.items)))
         digest = hashlib.sha256()
         for item in inputs:  # what a retry must repeat to join this request: every item's content

@@ -130,7 +130,7 @@ class EncoderClient:
         handle = await self._deployment()
         for attempt in range(1 + REPLICA_DEATH_RETRIES):
             # A ref as a top-level argument: Ray resolves it in the replica, not here.
-            response = handle.encode.remote(payload)
+            response = handle.encode.remote(payload, req_id)
             ref = None
             try:
                 ref = await response._to_object_ref()

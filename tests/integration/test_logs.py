@@ -97,6 +97,13 @@ def test_logging_config_json_debug_gives_json_lines_that_trace_a_req_id(cluster)
                                  f"lines naming it: {lines_naming(served, offsets)}") from None
         for step in ("accepted: 1 items", "staged:", "rank 0 received it; released"):
             assert any(f"req_id={served} {step}" in m for m in messages), (step, messages)
+        # And the replicas' DEBUG lines, JSON in their Serve log files: the Ingress received
+        # it, the Encoder encoded its item.
+        serve_records = [json.loads(line) for path, lines in lines_naming(served, offsets).items()
+                         if "/serve/" in path for line in lines]
+        by_deployment = {(r.get("deployment"), r["message"].split(": ", 1)[0]) for r in serve_records}
+        assert (f"{name}_Ingress", f"req_id={served} received") in by_deployment, serve_records
+        assert (f"{name}_Encoder", f"req_id={served} encoded") in by_deployment, serve_records
     finally:
         ray.kill(rank)
         serve.delete(name)
