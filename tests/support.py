@@ -212,7 +212,7 @@ def wait_until(condition: Callable[[], Any], timeout_s: float = 15.0, interval_s
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what or condition}")
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what or condition} (last: {value!r})")
         time.sleep(interval_s)
 
 
