@@ -106,6 +106,11 @@ class AppConfig(BaseModel):
     registry_max_concurrency: int = Field(
         10_000, ge=16, description="Concurrent calls the registry accepts; each waiting fetch holds one."
     )
+    registry_shards: int = Field(
+        1, ge=1, le=64,
+        description="Registry actors; each req_id belongs to one by a stable hash. Admission limits, tombstones "
+        "and the cache are split evenly among them. Fixed when the registry is created.",
+    )
     cache_max_bytes: int = Field(
         512 * _MiB, ge=0, description="Bytes of embeddings the content-hash cache keeps for reuse; 0 turns it off."
     )
@@ -181,6 +186,7 @@ class AppConfig(BaseModel):
             limits=self.limits(),
             default_receive_count=self.default_receive_count,
             registry_max_concurrency=self.registry_max_concurrency,
+            registry_shards=self.registry_shards,
             cache_max_bytes=self.cache_max_bytes,
             max_object_store_fraction=self.max_object_store_fraction,
             encoder_app=encoder_app,

@@ -37,7 +37,9 @@ from deployments.schemas import (
     parse_encode_request,
 )
 from encoder import MediaError, item_media
-from registry import MediaInput, get_or_create_registry, media_input
+from registry import MediaInput, media_input
+from registry.lookup import get_or_create_registry, get_or_create_shards
+from registry.shards import sum_stats
 from registry.errors import (
     HTTP_STATUS,
     InvalidRequest,
@@ -94,12 +96,12 @@ async def _on_validation_error(_: Request, exc: RequestValidationError) -> JSONR
     return error_response(error)
 
 
-def _as_registry_error(exc: BaseException) -> BaseException:
+def _as_registry_error(exc: BaseException, req_id: str | None = None) -> BaseException:
     exc = unwrap(exc)
     if isinstance(exc, RegistryError):
         exc.logged = True  # the registry logs every error it raises
     elif isinstance(exc, ray.exceptions.RayActorError):
-        return Unavailable(f"the registry actor is not reachable ({type(exc).__name__}); retry shortly")
+        return Unavailable(f"the registry actor is not reachable ({type(exc).__name__}); retry shortly", req_id)
     return exc
 
 
@@ -129,12 +131,10 @@ class Ingress:
         self._encoder = encoder
         # The registry calls the Encoder this replica was bound to (it must own the results).
         self._settings = self._config.registry_settings(encoder.app_name, encoder.deployment_name)
-        self._registry = get_or_create_registry(self._settings)
+        self._shards = get_or_create_shards(self._settings)
+        self._settings = self._shards.settings  # with the shard count the registry has
         # Blocking is fine here: the replica serves nothing until its constructor returns.
-        ray.get([
-            self._registry.configure.remote(self._settings),
-            self._registry.configure_logging.remote(*replica_log_format()),
-        ])
+        ray.get([call for i in range(len(self._shards)) for call in self._configure(i)])
 
     def _authorize(self, request: Request) -> None:
         """With a token configured, every route but /health needs ``Authorization: Bearer <token>``."""
@@ -145,10 +145,25 @@ class Ingress:
         if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), self._token):
             raise Unauthorized("missing or wrong API token; send the header Authorization: Bearer <token>")
 
-    async def _call(self, method: str, *args: Any) -> Any:
+    def _configure(self, shard: int, after_loss: bool = False) -> list[ray.ObjectRef]:
+        handle = self._shards.handles[shard]
+        return [
+            handle.configure.remote(self._settings.for_shard(shard), after_loss),
+            handle.configure_logging.remote(*replica_log_format()),
+        ]
+
+    async def _call(self, req_id: str, method: str, *args: Any) -> Any:
+        """``method`` of the registry shard that holds ``req_id``."""
+        return await self._call_shard(self._shards.index(req_id), method, req_id, *args, req_id=req_id)
+
+    async def _call_all(self, method: str) -> list[Any]:
+        """``method`` of every shard, at once."""
+        return await asyncio.gather(*(self._call_shard(i, method) for i in range(len(self._shards))))
+
+    async def _call_shard(self, shard: int, method: str, *args: Any, req_id: str | None = None) -> Any:
         ref = None
         try:
-            ref = getattr(self._registry, method).remote(*args)
+            ref = getattr(self._shards.handles[shard], method).remote(*args)
             return await ref
         except asyncio.CancelledError:
             # The client went away (Serve cancels the handler): cancel the registry's side too,
@@ -160,17 +175,17 @@ class Ingress:
             raise
         except ray.exceptions.ActorDiedError:
             # Gone for good (a crash is restarted by Ray, under the same handle): bring up a
-            # new registry for the next call; this one is told to retry.
-            await self._recreate_registry()
-            raise Unavailable("the registry was down and is being recreated; retry shortly") from None
+            # new shard for the next call; this one is told to retry.
+            await self._recreate_shard(shard)
+            raise Unavailable("the registry was down and is being recreated; retry shortly", req_id) from None
         except Exception as exc:  # noqa: BLE001 - re-raised as the project's error
-            raise _as_registry_error(exc) from None
+            raise _as_registry_error(exc, req_id) from None
 
-    async def _recreate_registry(self) -> None:
+    async def _recreate_shard(self, shard: int) -> None:
         try:
-            self._registry = await asyncio.to_thread(get_or_create_registry, self._settings)
-            await self._registry.configure.remote(self._settings, after_loss=True)
-            await self._registry.configure_logging.remote(*replica_log_format())
+            settings = self._settings.for_shard(shard)
+            self._shards.handles[shard] = await asyncio.to_thread(get_or_create_registry, settings)
+            await asyncio.gather(*self._configure(shard, after_loss=True))
         except Exception:  # noqa: BLE001 - the next call tries again
             pass
 
@@ -187,7 +202,7 @@ class Ingress:
     async def describe(self, req_id: str, wait_s: float = 0.0) -> dict[str, Any]:
         """The entry of ``req_id`` (the ``GET /v1/requests/{req_id}`` body); with ``wait_s``,
         wait up to that long while it is pending. Ended entries carry ``"error"``."""
-        return await self._call("describe", req_id, wait_s)
+        return await self._call(req_id, "describe", wait_s)
 
     async def _encode(self, request: EncodeRequest) -> dict[str, Any]:
         cfg = self._config
@@ -213,7 +228,7 @@ class Ingress:
         digest = hashlib.sha256()
         for item in inputs:  # what a retry must repeat to join this request: every item's content
             digest.update(item.digest.encode())
-        return await self._call("submit", req_id, list(inputs), digest.hexdigest(), request.receive_count, request.wait)
+        return await self._call(req_id, "submit", list(inputs), digest.hexdigest(), request.receive_count, request.wait)
 
     # --- HTTP ---------------------------------------------------------------------
 
@@ -242,27 +257,29 @@ class Ingress:
     ) -> dict[str, Any]:
         """The state of a request; with `wait_s`, wait up to that long while it is pending."""
         self._authorize(request)
-        return await self._call("describe", req_id, wait_s)
+        return await self._call(req_id, "describe", wait_s)
 
     @api.delete("/v1/requests/{req_id}", response_model=RequestState, responses=_ERROR_RESPONSES)
     async def delete_request(self, request: Request, req_id: str) -> dict[str, Any]:
         """Cancel a pending or staged request; its embeddings are dropped."""
         self._authorize(request)
-        return await self._call("cancel", req_id)
+        return await self._call(req_id, "cancel")
 
     @api.get("/v1/stats")
     async def get_stats(self, request: Request) -> dict[str, int]:
         """Registry counters: pending, staged, staged_bytes, and totals by outcome."""
         self._authorize(request)
-        return await self._call("stats")
+        return sum_stats(await self._call_all("stats"))
 
     @api.get("/health")
     async def health(self) -> JSONResponse:
         """200 once the model is loaded and the registry answers; else 503."""
         try:
             registry, encoder = await asyncio.wait_for(
-                asyncio.gather(self._call("ping"), self._encoder.ready.remote()), _HEALTH_TIMEOUT_S
+                asyncio.gather(self._call_all("ping"), self._encoder.ready.remote()), _HEALTH_TIMEOUT_S
             )
+            # Shard 0's answer, and each shard's process where there are several.
+            registry = {**registry[0], "shard_pids": [ping["pid"] for ping in registry]}
         except Exception as exc:  # noqa: BLE001 - any failure means not healthy
             reason = str(_as_registry_error(exc)) or type(exc).__name__
             return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)

@@ -33,6 +33,7 @@ from registry.inputs import MediaInput
 from registry.logs import RateLimited, configure_actor_logging, error_fields, get_logger, log_error
 from registry.metrics import RegistryMetrics
 from registry.settings import MAX_WAIT_S, RegistrySettings
+from registry.shards import shard_of
 from registry.state import PENDING, RELEASED, STAGED, Entry, FetchResult, Limits, RegistryState, StagedItem, ended_error
 
 logger = get_logger(__name__)
@@ -51,11 +52,12 @@ def _check_wait(value: float, name: str, req_id: str | None) -> float:
     return float(value)
 
 
-def _check_ids(req_ids: Any, name: str) -> None:
+def _checked_ids(req_ids: Any, name: str) -> Any:
     if not isinstance(req_ids, (list, dict)) or len(req_ids) > MAX_IDS_PER_CALL or not all(
         isinstance(req_id, str) for req_id in req_ids
     ):
         raise InvalidRequest(f"{name} must be a list (or dict) of at most {MAX_IDS_PER_CALL} req_id strings", None)
+    return req_ids
 
 
 def _effective_limits(settings: RegistrySettings) -> Limits:
@@ -87,7 +89,7 @@ class EmbeddingRegistry:
         self._overload_log = RateLimited(logger)
         self._settings = settings
         self._state = RegistryState(_effective_limits(settings))
-        self._metrics = RegistryMetrics(settings.name)
+        self._metrics = RegistryMetrics(settings.name, settings.shard)
         self._changed: dict[str, asyncio.Event] = {}
         self._waiting: _Count[str] = _Count()
         self._submitters: _Count[str] = _Count()  # submit calls waiting, per req_id
@@ -119,6 +121,8 @@ class EmbeddingRegistry:
         """
         if after_loss:
             self._restarted = True
+        # Which req_ids this shard holds is fixed at creation (``registry.lookup`` warns).
+        settings = dataclasses.replace(settings, registry_shards=self._settings.registry_shards, shard=self._settings.shard)
         if settings.registry_max_concurrency != self._settings.registry_max_concurrency:
             logger.warning(
                 "registry_max_concurrency is %d in the new config but this registry was created with %d; "
@@ -137,7 +141,9 @@ class EmbeddingRegistry:
         configure_actor_logging(level, encoding)
 
     async def ping(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "started_at": self._started_at, "name": self._settings.name}
+        settings = self._settings
+        return {"pid": os.getpid(), "started_at": self._started_at, "name": settings.name,
+                "shard": settings.shard, "shards": settings.registry_shards}
 
     async def stats(self) -> dict[str, int]:
         stats = self._state.stats(time.time())
@@ -157,6 +163,7 @@ class EmbeddingRegistry:
         or expired outcome raises that error. ``items`` are ``registry.media_input(bytes)``.
         """
         self._ensure_background_tasks()
+        self._check_owned(req_id)
         if not isinstance(items, list) or not all(isinstance(item, MediaInput) for item in items):
             error = InvalidRequest("submit takes a list of MediaInput; build each with registry.media_input(data)", req_id)
             self._count_error(error)
@@ -202,6 +209,7 @@ class EmbeddingRegistry:
 
     async def describe(self, req_id: str, wait_s: float = 0.0) -> dict[str, Any]:
         """The entry's description; with ``wait_s`` wait up to that long while it is pending."""
+        self._check_owned(req_id)
         deadline = time.monotonic() + _check_wait(wait_s, "wait_s", req_id)
         while (remaining := deadline - time.monotonic()) > 0 and not self._decided(req_id):
             await self._wait_change(req_id, remaining)
@@ -220,6 +228,7 @@ class EmbeddingRegistry:
 
     async def cancel(self, req_id: str) -> dict[str, Any]:
         """Cancel a pending or staged entry; an ended one is described unchanged."""
+        self._check_owned(req_id)
         live = self._state.is_live(req_id)
         try:
             entry = self._state.cancel(req_id, time.time())
@@ -242,6 +251,22 @@ class EmbeddingRegistry:
         result = await self._receive(req_id, rank, timeout_s)
         return [(item.meta, item.ref) for item in result.items]
 
+    async def fetch_many(
+        self, req_ids: list[str], rank: int, timeout_s: float
+    ) -> dict[str, list[tuple[dict[str, Any], ray.ObjectRef]] | RegistryError]:
+        """``fetch`` of each req_id at once, as ``rank``, for a decoder batch: per req_id its
+        (meta, ref) pairs or its error, each by ``fetch``'s rules, all within ``timeout_s``."""
+        self._check_owned(*_checked_ids(req_ids, "req_ids"))
+        _check_wait(timeout_s, "timeout_s", None)
+        unique = list(dict.fromkeys(req_ids))
+        results = await asyncio.gather(*(self.fetch(req_id, rank, timeout_s) for req_id in unique), return_exceptions=True)
+        answer: dict[str, Any] = {}
+        for req_id, result in zip(unique, results, strict=True):
+            if isinstance(result, BaseException) and not isinstance(result, RegistryError):
+                raise result  # not an answer about this req_id (a cancelled call): the caller's to see
+            answer[req_id] = result
+        return answer
+
     async def acknowledge(self, req_id: str, rank: int, timeout_s: float = 0.0) -> dict[str, Any]:
         """Count ``rank`` as a receiver without handing it the items: for a rank that
         already holds them (a decoder's own cache), so the entry is not kept until its
@@ -253,7 +278,7 @@ class EmbeddingRegistry:
 
     async def states(self, req_ids: list[str]) -> dict[str, str]:
         """The state of each req_id (an entry's, a tombstone's, or ``"unknown"``), in one call."""
-        _check_ids(req_ids, "req_ids")
+        self._check_owned(*_checked_ids(req_ids, "req_ids"))
         now = time.time()
         return {req_id: self._state.state_of(req_id, now) for req_id in req_ids}
 
@@ -263,7 +288,7 @@ class EmbeddingRegistry:
         after ``timeout_s``. A long poll: a scheduler keeps one in flight to keep a local
         view of many entries current without asking per entry.
         """
-        _check_ids(known, "known")
+        self._check_owned(*_checked_ids(known, "known"))
         deadline = time.monotonic() + _check_wait(timeout_s, "timeout_s", None)
         wake = asyncio.Event()
         for req_id in known:
@@ -293,6 +318,7 @@ class EmbeddingRegistry:
     async def _receive(self, req_id: str, rank: int, timeout_s: float) -> FetchResult:
         """Wait until ``req_id`` is staged and count ``rank`` as a receiver (``fetch`` and
         ``acknowledge``)."""
+        self._check_owned(req_id)
         started = time.monotonic()
         deadline = started + _check_wait(timeout_s, "timeout_s", req_id)
         while True:
@@ -350,6 +376,7 @@ class EmbeddingRegistry:
         Checked by reading them here, the owner: a rank's own trouble must not end an
         entry other ranks can still fetch. True if the entry was ended.
         """
+        self._check_owned(req_id)
         try:
             entry = self._state.get(req_id, time.time())
         except RegistryError:
@@ -465,6 +492,22 @@ class EmbeddingRegistry:
         logger.warning(
             "req_id=%s expired staged: ranks %s fetched it, ranks %s did not within ttl_s", req_id, fetched, missing
         )
+
+    def _check_owned(self, *req_ids: str) -> None:
+        """A req_id sent to a shard that does not hold it is a client's routing bug: refused,
+        so it can never create an entry no rank would find."""
+        settings = self._settings
+        if settings.registry_shards == 1:
+            return
+        for req_id in req_ids:
+            if isinstance(req_id, str) and (owner := shard_of(req_id, settings.registry_shards)) != settings.shard:
+                error = InvalidRequest(
+                    f"req_id {req_id} belongs to shard {owner} of the registry {settings.name!r}, not {settings.shard}; "
+                    "find its shard with registry.lookup_shards().of(req_id)",
+                    req_id,
+                )
+                self._count_error(error)
+                raise error
 
     def _count_error(self, error: RegistryError) -> None:
         """Count ``error`` and log it: the one line about it, with its req_id, code and cause."""

@@ -47,7 +47,7 @@ class EngineView:
         self._poisoned: OrderedDict[str, str] = OrderedDict()  # identifier -> why
         self._reloads: set[str] = set()
         self._unavailable: dict[str, str] = {}  # engine request id -> why
-        self._asked: dict[str, str | None] | None = None  # what the watch in flight was sent
+        self._asked: dict[int, dict[str, str | None]] = {}  # registry shard -> what its watch in flight was sent
 
     # --- the scheduler's questions -----------------------------------------------
 
@@ -122,12 +122,18 @@ class EngineView:
             if (state is None or state in _LIVE) and identifier not in self._handed
         }
 
-    def watch_is_stale(self) -> bool:
-        """The watch in flight was sent before identifiers it should name were added."""
-        return self._asked is not None and not self.to_watch().keys() <= self._asked.keys()
+    def watch_is_stale(self, shard: int = 0, wanted: Iterable[str] | None = None) -> bool:
+        """The watch in flight to ``shard`` was sent before identifiers it should name
+        (``wanted``, by default all of ``to_watch``) were added."""
+        asked = self._asked.get(shard)
+        return asked is not None and not set(self.to_watch() if wanted is None else wanted) <= asked.keys()
 
-    def asked(self, known: dict[str, str | None] | None) -> None:
-        self._asked = known
+    def asked(self, known: dict[str, str | None] | None, shard: int = 0) -> None:
+        """A watch to ``shard`` was sent ``known`` (None: it has answered or was dropped)."""
+        if known is None:
+            self._asked.pop(shard, None)
+        else:
+            self._asked[shard] = known
 
     def apply(self, states: dict[str, str]) -> None:
         """Apply a watch answer: req_id -> its state now."""

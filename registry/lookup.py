@@ -1,15 +1,39 @@
-"""Finding the registry actor, and creating it with the options it must have."""
+"""Finding the registry's actors, and creating them with the options they must have."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+
 import ray
 
-from registry.errors import Unavailable
 from registry.settings import RegistrySettings, registry_address
+from registry.shards import Shards, find_actor, shard_name
+
+logger = logging.getLogger("ray.serve")
+
+
+def get_or_create_shards(settings: RegistrySettings) -> Shards:
+    """Every shard of the registry named by ``settings`` (app-wide settings), created if
+    missing (blocking). The shard count is fixed when shard 0 is created: a config that
+    asks for another count is told so in the log and runs with the existing one.
+    """
+    first = get_or_create_registry(settings.for_shard(0))
+    count = ray.get(first.ping.remote()).get("shards", 1)
+    if count != settings.registry_shards:
+        logger.warning(
+            "registry_shards is %d in the new config but the registry %r was created with %d shards; "
+            "it takes effect only when the registry actors are created again",
+            settings.registry_shards, settings.name, count,
+        )
+        settings = dataclasses.replace(settings, registry_shards=count)
+    handles = [first] + [get_or_create_registry(settings.for_shard(i)) for i in range(1, count)]
+    return Shards(settings.name, settings.namespace, handles, settings)
 
 
 def get_or_create_registry(settings: RegistrySettings) -> ray.actor.ActorHandle:
-    """The registry named by ``settings``, created if it does not exist yet.
+    """The registry shard named by ``settings`` (``settings.for_shard(i)``), created if it
+    does not exist yet.
 
     Detached, so it outlives the replica that created it and every redeploy;
     ``max_restarts=-1`` brings it back after a crash (with an empty table: the
@@ -23,7 +47,7 @@ def get_or_create_registry(settings: RegistrySettings) -> ray.actor.ActorHandle:
 
     actor_cls = ray.remote(EmbeddingRegistry)
     return actor_cls.options(
-        name=settings.name,
+        name=shard_name(settings.name, settings.shard),
         namespace=settings.namespace,
         lifetime="detached",
         get_if_exists=True,
@@ -34,13 +58,16 @@ def get_or_create_registry(settings: RegistrySettings) -> ray.actor.ActorHandle:
     ).remote(settings)
 
 
-def lookup_registry(name: str | None = None, namespace: str | None = None) -> ray.actor.ActorHandle:
-    """The running registry; ``Unavailable`` if there is none under that name."""
-    name, namespace = registry_address(name, namespace)
-    try:
-        return ray.get_actor(name, namespace=namespace)
-    except ValueError:
-        raise Unavailable(
-            f"no registry actor named {name!r} in namespace {namespace!r}; is the epd app running, "
-            "and do registry_name/registry_namespace match its config?"
-        ) from None
+def lookup_shards(name: str | None = None, namespace: str | None = None) -> Shards:
+    """Every shard of the running registry (blocking); ``Unavailable`` if one is missing."""
+    return Shards.lookup(name, namespace)
+
+
+def lookup_registry(
+    name: str | None = None, namespace: str | None = None, *, req_id: str | None = None
+) -> ray.actor.ActorHandle:
+    """The running registry's actor that holds ``req_id`` (with one shard, the only one;
+    without ``req_id``, shard 0); ``Unavailable`` if there is none under that name."""
+    if req_id is not None:
+        return lookup_shards(name, namespace).of(req_id)
+    return find_actor(*registry_address(name, namespace))

@@ -16,22 +16,23 @@ _CACHE_EVENTS = {"cache_hits_total": "hit", "cache_misses_total": "miss", "cache
 
 
 class RegistryMetrics:
-    def __init__(self, registry_name: str):
-        tags = {"registry": registry_name}
+    def __init__(self, registry_name: str, shard: int = 0):
+        # Each shard publishes its own series; a dashboard sums them over ``shard``.
+        tags = {"registry": registry_name, "shard": str(shard)}
         self._seen: dict[str, int] = {}
 
         def counter(name: str, description: str, *keys: str) -> Counter:
-            return Counter(name, description, tag_keys=("registry", *keys)).set_default_tags(tags)
+            return Counter(name, description, tag_keys=("registry", "shard", *keys)).set_default_tags(tags)
 
         def gauge(name: str, description: str) -> Gauge:
-            return Gauge(name, description, tag_keys=("registry",)).set_default_tags(tags)
+            return Gauge(name, description, tag_keys=("registry", "shard")).set_default_tags(tags)
 
         self.encode_requests = counter(
             "epd_encode_requests_total", "Encode requests by result (accepted, duplicate, rejected).", "result"
         )
         self.encode_latency = Histogram(
             "epd_encode_latency_s", "Seconds from accepting an encode to staging its embeddings.",
-            boundaries=_LATENCY_BOUNDARIES_S, tag_keys=("registry",),
+            boundaries=_LATENCY_BOUNDARIES_S, tag_keys=("registry", "shard"),
         ).set_default_tags(tags)
         self.pending = gauge("epd_pending_entries", "Entries being encoded.")
         self.staged = gauge("epd_staged_entries", "Entries staged and waiting for ranks.")

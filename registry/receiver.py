@@ -5,6 +5,7 @@
     rx = EmbeddingReceiver(rank=tp_rank)          # in each rank's process
     items = rx.fetch(req_id, timeout_s=30.0)      # or: await rx.fetch_async(...)
     items[0].tensor, items[0].meta
+    batch = rx.fetch_many([a, b, c])              # {req_id: items or its RegistryError}
     rx.acknowledge(other_req_id)                  # already held: count this rank, read nothing
 
 A fetch is two steps: ask the registry (which waits until the request is staged,
@@ -27,7 +28,7 @@ from ray import exceptions as ray_exc
 
 from encoder.types import EncodedItem
 from registry.errors import NotReady, RegistryError, Unavailable, unwrap
-from registry.lookup import lookup_registry
+from registry.shards import Shards
 
 if TYPE_CHECKING:  # torch loads when the first tensor is made (encoder.types): see its docstring
     import torch
@@ -67,6 +68,21 @@ def _translate(exc: BaseException, req_id: str) -> BaseException:
     return exc
 
 
+def _get_or_error(refs: Any, timeout_s: float) -> Any:
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except Exception as exc:  # noqa: BLE001 - one request's failure is its answer
+        return exc
+
+
+def _awaitable(refs: Any) -> Any:
+    return asyncio.gather(*refs) if isinstance(refs, list) else refs
+
+
+def _timeout_as_not_ready(answer: Any) -> Any:
+    return ray_exc.GetTimeoutError("timed out") if isinstance(answer, TimeoutError) else answer
+
+
 def _items(pairs: list[tuple[dict[str, Any], Any]], values: list[EncodedItem]) -> list[ReceivedItem]:
     return [ReceivedItem(tensor=value.tensor(), meta=meta) for (meta, _), value in zip(pairs, values, strict=True)]
 
@@ -86,27 +102,30 @@ class EmbeddingReceiver:
         self.rank = rank
         self._name = registry_name
         self._namespace = registry_namespace
-        self._registry: ray.actor.ActorHandle | None = None
+        self._shards: Shards | None = None
 
-    def _handle(self) -> ray.actor.ActorHandle:
-        if self._registry is None:
-            self._registry = lookup_registry(self._name, self._namespace)
-        return self._registry
+    def _lookup(self) -> Shards:
+        if self._shards is None:
+            self._shards = Shards.lookup(self._name, self._namespace)
+        return self._shards
+
+    def _handle(self, req_id: str) -> ray.actor.ActorHandle:
+        return self._lookup().of(req_id)
 
     # One set of rules for both APIs: ``_fetch_steps`` says what to wait for, in order, and
     # what to do with each answer; ``fetch`` and ``fetch_async`` only carry the steps out,
     # blocking or awaiting, each wait bounded by ``timeout_s`` + ``_CALL_GRACE_S``.
 
     def _fetch_steps(self, req_id: str, timeout_s: float) -> Generator[tuple[str, Any], Any, list[ReceivedItem]]:
-        handle = yield ("handle", None)
+        shards = yield ("shards", None)
         try:
-            pairs = yield ("get", handle.fetch.remote(req_id, self.rank, timeout_s))
+            pairs = yield ("get", shards.of(req_id).fetch.remote(req_id, self.rank, timeout_s))
         except ray_exc.ActorDiedError:
             # A registry recreated under the same name is a new actor: find it and ask once more
             # (a fetch is idempotent for a rank).
-            self._registry = None
-            handle = yield ("handle", None)
-            pairs = yield ("get", handle.fetch.remote(req_id, self.rank, timeout_s))
+            self._shards = None
+            shards = yield ("shards", None)
+            pairs = yield ("get", shards.of(req_id).fetch.remote(req_id, self.rank, timeout_s))
         try:
             values = yield ("get", [ref for _, ref in pairs])
         except _LOST:
@@ -114,18 +133,76 @@ class EmbeddingReceiver:
             raise
         return _items(pairs, values)
 
+    def _fetch_many_steps(
+        self, req_ids: list[str], timeout_s: float
+    ) -> Generator[tuple[str, Any], Any, dict[str, list[ReceivedItem] | RegistryError]]:
+        out: dict[str, Any] = {}
+        todo = list(dict.fromkeys(req_ids))
+        order = list(todo)
+        for attempt in range(2):  # once more for shards that died and were recreated, as in fetch
+            shards = yield ("shards", None)
+            groups = shards.group(todo)
+            calls = [shards.handles[i].fetch_many.remote(ids, self.rank, timeout_s) for i, ids in groups.items()]
+            answers = yield ("gather", calls)
+            todo = []
+            for ids, answer in zip(groups.values(), answers, strict=True):
+                if isinstance(answer, ray_exc.ActorDiedError) and attempt == 0:
+                    todo += ids
+                    continue
+                for req_id in ids:
+                    out[req_id] = answer[req_id] if isinstance(answer, dict) else _translate(answer, req_id)
+            if not todo:
+                break
+            self._shards = None
+        staged = {req_id: pairs for req_id, pairs in out.items() if isinstance(pairs, list)}
+        values = yield ("gather", [[ref for _, ref in pairs] for pairs in staged.values()])
+        for (req_id, pairs), value in zip(staged.items(), values, strict=True):
+            if isinstance(value, _LOST):
+                yield ("report_lost", req_id)
+            out[req_id] = _translate(value, req_id) if isinstance(value, BaseException) else _items(pairs, value)
+        return {req_id: out[req_id] for req_id in order}
+
     def fetch(self, req_id: str, timeout_s: float = 30.0) -> list[ReceivedItem]:
         """Blocking fetch. In an async actor use ``fetch_async`` (this would block its loop)."""
-        steps, answer, error = self._fetch_steps(req_id, timeout_s), None, None
+        return self._run(self._fetch_steps(req_id, timeout_s), timeout_s, req_id)
+
+    async def fetch_async(self, req_id: str, timeout_s: float = 30.0) -> list[ReceivedItem]:
+        """``fetch`` for event loops (async actors, FastAPI handlers): the same rules, awaited."""
+        return await self._run_async(self._fetch_steps(req_id, timeout_s), timeout_s, req_id)
+
+    def fetch_many(self, req_ids: list[str], timeout_s: float = 30.0) -> dict[str, list[ReceivedItem] | RegistryError]:
+        """Fetch many requests at once as this rank (a decoder batch): one registry call per
+        shard involved, each request by ``fetch``'s rules within ``timeout_s``.
+
+        Returns ``{req_id: items}`` in the order given, where one request's failure is its
+        ``RegistryError`` in place of its items; only a failure of the whole call raises.
+        """
+        return self._run(self._fetch_many_steps(req_ids, timeout_s), timeout_s, None)
+
+    async def fetch_many_async(
+        self, req_ids: list[str], timeout_s: float = 30.0
+    ) -> dict[str, list[ReceivedItem] | RegistryError]:
+        """``fetch_many`` for event loops: the same rules, awaited."""
+        return await self._run_async(self._fetch_many_steps(req_ids, timeout_s), timeout_s, None)
+
+    # The drivers: "shards" looks the registry up, "get" reads a ref (or a list of refs, all
+    # or nothing), "gather" reads each of several refs or lists, each to its value or its
+    # exception, and "report_lost" tells the registry. Each wait is bounded.
+
+    def _run(self, steps: Generator[tuple[str, Any], Any, Any], timeout_s: float, req_id: str | None) -> Any:
+        answer, error = None, None
+        bound = timeout_s + _CALL_GRACE_S
         try:
             while True:
                 kind, what = steps.throw(error) if error is not None else steps.send(answer)
                 answer = error = None
                 try:
-                    if kind == "handle":
-                        answer = self._handle()
+                    if kind == "shards":
+                        answer = self._lookup()
                     elif kind == "get":
-                        answer = ray.get(what, timeout=timeout_s + _CALL_GRACE_S)
+                        answer = ray.get(what, timeout=bound)
+                    elif kind == "gather":
+                        answer = [_get_or_error(refs, bound) for refs in what]
                     else:
                         self._report_lost(what)
                 except Exception as exc:  # noqa: BLE001 - handed to the rules, which decide
@@ -135,22 +212,24 @@ class EmbeddingReceiver:
         except Exception as exc:  # noqa: BLE001 - translated to the project's errors
             raise _translate(exc, req_id) from None
 
-    async def fetch_async(self, req_id: str, timeout_s: float = 30.0) -> list[ReceivedItem]:
-        """``fetch`` for event loops (async actors, FastAPI handlers): the same rules, awaited."""
-        steps, answer, error = self._fetch_steps(req_id, timeout_s), None, None
+    async def _run_async(self, steps: Generator[tuple[str, Any], Any, Any], timeout_s: float, req_id: str | None) -> Any:
+        answer, error = None, None
+        bound = timeout_s + _CALL_GRACE_S
         try:
             while True:
                 kind, what = steps.throw(error) if error is not None else steps.send(answer)
                 answer = error = None
                 try:
-                    if kind == "handle":
+                    if kind == "shards":
                         # The first lookup asks the GCS: off the event loop.
-                        answer = self._registry or await asyncio.to_thread(self._handle)
+                        answer = self._shards or await asyncio.to_thread(self._lookup)
                     elif kind == "get":
                         # Bounded as in ``fetch``: under load Ray has been seen (about one read in
                         # 3,000, several ranks of one process reading one entry) never to answer one.
-                        waiting = asyncio.gather(*what) if isinstance(what, list) else what
-                        answer = await asyncio.wait_for(waiting, timeout_s + _CALL_GRACE_S)
+                        answer = await asyncio.wait_for(_awaitable(what), bound)
+                    elif kind == "gather":
+                        waits = (asyncio.wait_for(_awaitable(refs), bound) for refs in what)
+                        answer = [_timeout_as_not_ready(a) for a in await asyncio.gather(*waits, return_exceptions=True)]
                     else:
                         await asyncio.to_thread(self._report_lost, what)
                 except TimeoutError:
@@ -171,7 +250,7 @@ class EmbeddingReceiver:
         pending). Returns True if this released the entry.
         """
         try:
-            call = self._handle().acknowledge.remote(req_id, self.rank, timeout_s)
+            call = self._handle(req_id).acknowledge.remote(req_id, self.rank, timeout_s)
             return ray.get(call, timeout=timeout_s + _CALL_GRACE_S)["released"]
         except Exception as exc:  # noqa: BLE001
             raise _translate(exc, req_id) from None
@@ -181,6 +260,6 @@ class EmbeddingReceiver:
         other ranks are told at once (it checks before believing it). Best effort: the
         caller raises the loss either way."""
         try:
-            ray.get(self._handle().report_lost.remote(req_id), timeout=_CALL_GRACE_S)
+            ray.get(self._handle(req_id).report_lost.remote(req_id), timeout=_CALL_GRACE_S)
         except Exception:  # noqa: BLE001 - e.g. the registry itself restarted: nothing to tell
             pass

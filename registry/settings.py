@@ -53,6 +53,27 @@ class RegistrySettings:
     # Where the registry sends encode work: a Serve deployment, by app and name.
     encoder_app: str
     encoder_deployment: str = "Encoder"
+    # How many registry actors share the req_ids (``registry.shards``), and which one this
+    # is; fixed when the actors are created.
+    registry_shards: int = 1
+    shard: int = 0
     # After a restart, how long a fetch of an unknown req_id waits (for a new request
     # to arrive) before it is answered `unavailable`: its entry was lost.
     restart_grace_s: float = 5.0
+
+    def for_shard(self, shard: int) -> RegistrySettings:
+        """Shard ``shard``'s settings: the app-wide limits split evenly among the shards
+        (rounded up), since each admits and remembers only its own req_ids."""
+        n = self.registry_shards
+
+        def share(total: int) -> int:
+            return -(-total // n)
+
+        limits = dataclasses.replace(
+            self.limits,
+            max_pending_requests=share(self.limits.max_pending_requests),
+            max_staged_bytes=share(self.limits.max_staged_bytes),
+            max_tombstones=share(self.limits.max_tombstones),
+        )
+        return dataclasses.replace(self, shard=shard, limits=limits, cache_max_bytes=share(self.cache_max_bytes),
+                                   max_object_store_fraction=self.max_object_store_fraction / n)

@@ -200,9 +200,9 @@ class _SchedulerSide:
     def __init__(self, settings: ConnectorSettings):
         self.settings = settings
         self.view = EngineView()
-        self._registry: Any = None
+        self._shards: Any = None  # registry.shards.Shards, once found
         self._next_lookup = 0.0
-        self._watch: Any = None  # the ObjectRef of the watch call in flight
+        self._watches: dict[int, Any] = {}  # registry shard -> the ObjectRef of its watch call in flight
         self._num_tokens: dict[str, int] = {}
         self._loads: dict[str, int] = {}
         self._synced_this_step = False
@@ -267,45 +267,50 @@ class _SchedulerSide:
         import ray
 
         self._synced_this_step = True
-        if self._watch is not None:
-            ready, _ = ray.wait([self._watch], timeout=0)
+        for shard, ref in list(self._watches.items()):
+            ready, _ = ray.wait([ref], timeout=0)
             if ready:
-                ref, self._watch = self._watch, None
-                self.view.asked(None)
+                del self._watches[shard]
+                self.view.asked(None, shard)
                 try:
                     self.view.apply(ray.get(ref))
                 except Exception as exc:  # noqa: BLE001 - the registry restarted or is gone: look again
                     logger.warning("registry watch failed (%s: %s); retrying", type(exc).__name__, exc)
-                    self._registry = None
-            elif self.view.watch_is_stale():
-                ray.cancel(self._watch)  # it lacks identifiers added since: ask again with them
-                self._watch = None
-                self.view.asked(None)
-        if self._watch is None:
-            known = self.view.to_watch()
-            if known and (registry := self._handle()) is not None:
-                self._watch = registry.watch.remote(known, self.settings.watch_timeout_s)
-                self.view.asked(known)
-            elif known:
-                # No registry to ask: what nobody could have encoded is computed by the engine.
-                self.view.apply({identifier: "unknown" for identifier, state in known.items() if state is None})
+                    self._shards = None
+        known = self.view.to_watch()
+        if not known:
+            return
+        shards = self._lookup()
+        if shards is None:
+            # No registry to ask: what nobody could have encoded is computed by the engine.
+            self.view.apply({identifier: "unknown" for identifier, state in known.items() if state is None})
+            return
+        # One watch in flight per shard holding any of them, naming all of that shard's.
+        for shard, identifiers in shards.group(known).items():
+            if shard in self._watches:
+                if not self.view.watch_is_stale(shard, identifiers):
+                    continue
+                ray.cancel(self._watches.pop(shard))  # it lacks identifiers added since: ask again
+            subset = {identifier: known[identifier] for identifier in identifiers}
+            self._watches[shard] = shards.handles[shard].watch.remote(subset, self.settings.watch_timeout_s)
+            self.view.asked(subset, shard)
 
-    def _handle(self) -> Any:
-        if self._registry is not None or time.monotonic() < self._next_lookup:
-            return self._registry
+    def _lookup(self) -> Any:
+        if self._shards is not None or time.monotonic() < self._next_lookup:
+            return self._shards
         import ray
 
         from registry.errors import Unavailable
-        from registry.lookup import lookup_registry
+        from registry.shards import Shards
 
         self._next_lookup = time.monotonic() + _LOOKUP_RETRY_S
         try:
             if not ray.is_initialized():
                 ray.init(address=self.settings.ray_address)
-            self._registry = lookup_registry(self.settings.registry_name, self.settings.registry_namespace)
+            self._shards = Shards.lookup(self.settings.registry_name, self.settings.registry_namespace)
         except (Unavailable, ConnectionError) as exc:
             logger.warning("RayRegistryECConnector: %s; items are computed by the engine until it is found", exc)
-        return self._registry
+        return self._shards
 
 
 class _WorkerSide:

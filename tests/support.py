@@ -198,10 +198,12 @@ def object_store_usage() -> tuple[int, int]:
     return int(stats.object_store_bytes_used), int(stats.num_local_objects)
 
 
-def registry_stats() -> dict[str, int]:
-    from registry import lookup_registry
+def registry_stats(name: str | None = None, namespace: str | None = None) -> dict[str, int]:
+    """The registry's stats, summed over its shards (what ``GET /v1/stats`` answers)."""
+    from registry import lookup_shards
+    from registry.shards import sum_stats
 
-    return ray.get(lookup_registry().stats.remote())
+    return sum_stats(ray.get([shard.stats.remote() for shard in lookup_shards(name, namespace).handles]))
 
 
 def wait_until(condition: Callable[[], Any], timeout_s: float = 15.0, interval_s: float = 0.1, what: str = "") -> Any:
@@ -246,6 +248,17 @@ class RankActor:
             "shapes": [list(item.tensor.shape) for item in items],
             "bytes": [hashlib.sha256(b).hexdigest() for b in raw] if digests else raw,
             "data_ptrs": [item.tensor.data_ptr() for item in items],
+        }
+
+    async def fetch_many(self, req_ids: list[str], timeout_s: float = 30.0) -> dict[str, list[str] | str]:
+        """A batch on this actor's event loop: per req_id, sha256 of each item's bytes or the error code."""
+        from registry import RegistryError
+
+        out = await self.receiver.fetch_many_async(req_ids, timeout_s=timeout_s)
+        return {
+            req_id: value.code if isinstance(value, RegistryError)
+            else [hashlib.sha256(_raw(item.tensor)).hexdigest() for item in value]
+            for req_id, value in out.items()
         }
 
     def fetch_sync(self, req_id: str, timeout_s: float = 30.0) -> list[str]:

@@ -19,7 +19,7 @@ from ray import serve
 
 from benchmarks.cluster import free_port
 from deployments import compose_app
-from registry import lookup_registry
+from registry import lookup_shards
 from support import APP_ARGS, RankActor, deployment_options, image_bytes, media_server, object_refs_in_use, object_store_bytes_in_use, registry_stats, wait_until
 
 
@@ -36,6 +36,7 @@ class Cluster:
 
 
 MEDIA_FILES = {"/img.png": image_bytes(224, 224, seed=71)}
+REGISTRY_SHARDS = 4
 API_TOKEN = "test-token-" + secrets.token_hex(16)
 AUTH = {"Authorization": f"Bearer {API_TOKEN}"}
 
@@ -66,6 +67,9 @@ def cluster(tmp_path_factory):
             "allowed_private_networks": ["127.0.0.1/32", "::1/128"],
             "allowed_local_media_path": str(media_root),
             "api_token": API_TOKEN,  # every HTTP call of the suite carries it (Cluster.headers)
+            # Every semantic test runs against a sharded registry; the apps tests deploy
+            # for themselves keep the default, one shard.
+            "registry_shards": REGISTRY_SHARDS,
         }
         serve.run(compose_app(app_args, deployment_options=deployment_options()), name="epd", route_prefix="/")
         url = f"http://127.0.0.1:{port}"
@@ -77,7 +81,8 @@ def cluster(tmp_path_factory):
                 app_args=app_args, media_url=media_url, media_root=str(media_root), headers=AUTH,
             )
     serve.shutdown()
-    ray.kill(lookup_registry())
+    for shard in lookup_shards().handles:
+        ray.kill(shard)
     ray.shutdown()
 
 

@@ -9,7 +9,7 @@ from ray import serve
 
 from registry import get_or_create_registry, media_input
 from registry.errors import Overloaded
-from support import image_bytes, image_item, registry_settings
+from support import image_bytes, image_item, registry_settings, registry_stats
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong-token-0123456789"}, {"Authorization": "Basic x"}])
@@ -53,5 +53,5 @@ def test_staged_bytes_limit_refuses_new_requests_with_overloaded(cluster):
 
 def test_object_store_share_caps_staged_bytes(cluster):
     store = ray.cluster_resources()["object_store_memory"]
-    stats = ray.get(__import__("registry").lookup_registry().stats.remote())
-    assert stats["max_staged_bytes"] == min(8 * 1024**3, int(store * 0.5))
+    # Each shard caps its share; the shares add up to the cap, give or take rounding.
+    assert abs(registry_stats()["max_staged_bytes"] - min(8 * 1024**3, int(store * 0.5))) < cluster.app_args["registry_shards"]

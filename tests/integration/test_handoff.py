@@ -84,7 +84,7 @@ def test_rank_outside_receive_count_is_invalid_rank(cluster):
     result = ray.get(cluster.ranks[2].fetch.remote(out["req_id"]))
     assert result["error"] == "invalid_rank" and "ranks are 0..1" in result["message"]
     with pytest.raises(InvalidRank):
-        ray.get(lookup_registry().fetch.remote(out["req_id"], -1, 1.0))
+        ray.get(lookup_registry(req_id=out["req_id"]).fetch.remote(out["req_id"], -1, 1.0))
     assert state_of(cluster, out["req_id"])["received_ranks"] == []
     assert cluster.http.delete(f"/v1/requests/{out['req_id']}").json()["state"] == "cancelled"
 
@@ -95,7 +95,7 @@ def test_fetch_times_out_with_not_ready(cluster):
     elapsed = time.monotonic() - start
     assert result["error"] == "not_ready" and 0.5 <= elapsed < 5
     with pytest.raises(NotReady):
-        ray.get(lookup_registry().fetch.remote(new_id("never"), 0, 0.0))
+        ray.get(lookup_registry(req_id=(never := new_id("never"))).fetch.remote(never, 0, 0.0))
 
 
 def test_fetch_waits_for_a_pending_request(cluster):

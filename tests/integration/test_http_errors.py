@@ -95,7 +95,7 @@ def test_bad_fetch_gets_its_code_and_counts_no_rank(cluster, case):
     _, rank, timeout_s, code, text = case
     staged = cluster.http.post("/v1/encode", json=body(receive_count=2)).json()
     with pytest.raises(RegistryError) as info:
-        ray.get(lookup_registry().fetch.remote(staged["req_id"], rank, timeout_s))
+        ray.get(lookup_registry(req_id=staged["req_id"]).fetch.remote(staged["req_id"], rank, timeout_s))
     error = unwrap(info.value)
     assert error.code == code and text in error.message, error.message
     described = cluster.http.get(f"/v1/requests/{staged['req_id']}").json()

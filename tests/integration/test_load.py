@@ -16,7 +16,7 @@ import ray
 from ray import serve
 
 from deployments import compose_app
-from registry import lookup_registry
+from registry import lookup_shards
 from registry.errors import Overloaded, UnknownRequest
 from support import (
     INLINE_OBJECT_LIMIT, MODEL_SPEC, deployment_options, image_bytes, image_item, object_refs_in_use, object_store_usage, reference_embedding, registry_stats,
@@ -184,8 +184,8 @@ def test_overload_past_the_limits_answers_only_overloaded_and_memory_stays_bound
             )
     finally:
         # Whatever happened above, leave no entry behind for the next test to trip over.
-        registry = lookup_registry()
-        for ref in [registry.cancel.remote(b["req_id"]) for b in bodies]:
+        shards = lookup_shards()
+        for ref in [shards.of(b["req_id"]).cancel.remote(b["req_id"]) for b in bodies]:
             try:
                 ray.get(ref)
             except UnknownRequest:  # refused and never retried

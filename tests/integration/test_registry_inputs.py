@@ -34,7 +34,7 @@ def test_small_items_travel_inline_and_large_ones_are_stored_once(cluster):
     assert stored.data is None and ray.get(stored.ref) == large
     assert (inline.digest, stored.digest) == (media_digest(small), media_digest(large))
 
-    registry = lookup_registry()
+    registry = lookup_registry(req_id="inputs-1")
     out = ray.get(registry.submit.remote("inputs-1", [inline, stored], "inputs-1", 1, True))
     assert out["state"] == "staged"
     got = ray.get(cluster.ranks[0].fetch.remote("inputs-1"))
@@ -44,10 +44,10 @@ def test_small_items_travel_inline_and_large_ones_are_stored_once(cluster):
 @pytest.mark.parametrize("items", [[b"raw bytes"], "not a list", [None]])
 def test_submit_takes_media_inputs_only(cluster, items):
     with pytest.raises(InvalidRequest) as info:
-        ray.get(lookup_registry().submit.remote("inputs-bad", items, "d", 1, True))
+        ray.get(lookup_registry(req_id="inputs-bad").submit.remote("inputs-bad", items, "d", 1, True))
     assert info.value.code == "invalid_request" and "media_input" in info.value.message
     with pytest.raises(UnknownRequest):  # nothing was created for it
-        ray.get(lookup_registry().describe.remote("inputs-bad"))
+        ray.get(lookup_registry(req_id="inputs-bad").describe.remote("inputs-bad"))
 
 
 def test_input_lost_with_its_owner_fails_unavailable_and_stages_nothing(cluster):
@@ -58,7 +58,7 @@ def test_input_lost_with_its_owner_fails_unavailable_and_stages_nothing(cluster)
     wait_until(lambda: _lost(item.ref), 30, what="Ray to declare the input lost with its owner")
     before = registry_stats()
     with pytest.raises(Unavailable) as info:
-        ray.get(lookup_registry().submit.remote("inputs-lost", [item], "inputs-lost", 1, True), timeout=60)
+        ray.get(lookup_registry(req_id="inputs-lost").submit.remote("inputs-lost", [item], "inputs-lost", 1, True), timeout=60)
     assert info.value.code == "unavailable"
     assert info.value.message.startswith("items[0]: the input bytes were lost") and "retry" in info.value.message
     after = registry_stats()
@@ -71,7 +71,7 @@ def test_stored_input_outlives_its_callers_reference_while_the_registry_encodes(
     data = image_bytes(224, 224, seed=204)
     item = media_input(data)
     assert item.ref is not None
-    out = ray.get(lookup_registry().submit.remote("inputs-nowait", [item], "inputs-nowait", 1, False))
+    out = ray.get(lookup_registry(req_id="inputs-nowait").submit.remote("inputs-nowait", [item], "inputs-nowait", 1, False))
     del item
     assert out["state"] in ("pending", "staged")
     got = ray.get(cluster.ranks[0].fetch.remote("inputs-nowait"))

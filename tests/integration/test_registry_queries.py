@@ -7,7 +7,7 @@ import uuid
 import pytest
 import ray
 
-from registry import EmbeddingReceiver, lookup_registry
+from registry import EmbeddingReceiver, lookup_registry, lookup_shards
 from registry.errors import AlreadyReleased, InvalidRank, InvalidRequest
 from support import image_bytes, image_item
 
@@ -27,7 +27,7 @@ def test_an_acknowledgement_counts_the_rank_like_a_fetch_and_reads_nothing(clust
     req_id = encode(cluster, seed=501)
     fetched = ray.get(cluster.ranks[0].fetch.remote(req_id))
     assert "error" not in fetched
-    registry = lookup_registry()
+    registry = lookup_registry(req_id=req_id)
     assert ray.get(registry.states.remote([req_id])) == {req_id: "staged"}
     acked = ray.get(registry.acknowledge.remote(req_id, 1))
     assert acked == {"req_id": req_id, "rank": 1, "released": True}
@@ -51,18 +51,23 @@ def test_a_repeated_acknowledgement_does_not_release_early(cluster):
 def test_states_answers_many_req_ids_in_one_call(cluster):
     staged, cancelled, never = encode(cluster, seed=503), encode(cluster, seed=504), new_id()
     assert cluster.http.delete(f"/v1/requests/{cancelled}").status_code == 200
-    registry = lookup_registry()
-    assert ray.get(registry.states.remote([staged, cancelled, never])) == {
-        staged: "staged", cancelled: "cancelled", never: "unknown",
-    }
+    shards = lookup_shards()
+    assert shards.states([staged, cancelled, never]) == {staged: "staged", cancelled: "cancelled", never: "unknown"}
+    # One call per shard: each answers for its own req_ids, and refuses another's.
+    groups = shards.group([staged, cancelled, never])
+    for shard, req_ids in groups.items():
+        assert ray.get(shards.handles[shard].states.remote(req_ids)) == {r: shards.states([r])[r] for r in req_ids}
+    foreign = next(r for r in (staged, cancelled, never) if shards.index(r) != 0)
+    with pytest.raises(InvalidRequest, match=f"belongs to shard {shards.index(foreign)}"):
+        ray.get(shards.handles[0].states.remote([foreign]))
     with pytest.raises(InvalidRequest):
-        ray.get(registry.states.remote("not-a-list"))
+        ray.get(shards.handles[0].states.remote("not-a-list"))
     assert cluster.http.delete(f"/v1/requests/{staged}").status_code == 200
 
 
 def test_watch_returns_at_once_for_a_difference_and_wakes_on_a_change(cluster):
-    registry = lookup_registry()
     req_id = new_id()
+    registry = lookup_registry(req_id=req_id)
     # What the caller does not know yet is answered at once.
     assert ray.get(registry.watch.remote({req_id: None}, 5.0)) == {req_id: "unknown"}
     # Nothing differs: the call waits until the entry changes.

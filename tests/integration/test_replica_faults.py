@@ -125,6 +125,6 @@ def test_a_false_report_of_lost_objects_does_not_end_the_entry(cluster):
     out = cluster.http.post("/v1/encode", json={"receive_count": 1, "items": [image_item(image_bytes(224, 224, seed=310))]})
     req_id = out.json()["req_id"]
     # The registry reads the objects itself before believing a rank: they are fine here.
-    assert ray.get(lookup_registry().report_lost.remote(req_id)) is False
-    assert ray.get(lookup_registry().report_lost.remote("never-encoded")) is False
+    assert ray.get(lookup_registry(req_id=req_id).report_lost.remote(req_id)) is False
+    assert ray.get(lookup_registry(req_id="never-encoded").report_lost.remote("never-encoded")) is False
     assert "error" not in ray.get(cluster.ranks[0].fetch.remote(req_id))

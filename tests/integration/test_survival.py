@@ -126,7 +126,7 @@ def test_registry_killed_for_good_is_reported_503_and_recreated(cluster):
     staged = cluster.http.post(
         "/v1/encode", json={"receive_count": 1, "items": [image_item(image_bytes(224, 224, seed=25))]}
     ).json()
-    ray.kill(lookup_registry(), no_restart=True)
+    ray.kill(lookup_registry(req_id=staged["req_id"]), no_restart=True)  # the registry (shard) holding it
     health = cluster.http.get("/health")
     assert health.status_code == 503 and health.json()["status"] == "unavailable"
     # That failed call brought up a new registry; the service answers again within seconds.

@@ -145,7 +145,7 @@ def test_a_pending_item_defers_its_request_until_it_is_staged(cluster, engine, s
     gate, req_id = Gate.remote(), new_id("pending")
     held = media_input(data)
     item = type(held)(held.digest, ref=gated.remote(gate, data))  # the encoder waits for the gate
-    registry = lookup_registry()
+    registry = lookup_registry(req_id=req_id)
     submitted = ray.get(registry.submit.remote(req_id, [item], held.digest, TP, False))
     assert submitted["state"] == "pending"
     scheduler.add_request(vllm_env.image_request("chat-3", [req_id], grid_thw=[GRID]))
@@ -187,7 +187,7 @@ def test_an_item_that_ends_badly_fails_its_request(cluster, engine, scheduler, e
         data = image_bytes(SIZE, SIZE, seed=605)
         held = media_input(data)
         item = type(held)(held.digest, ref=gated.remote(gate, data))
-        ray.get(lookup_registry().submit.remote(req_id, [item], held.digest, TP, False))
+        ray.get(lookup_registry(req_id=req_id).submit.remote(req_id, [item], held.digest, TP, False))
     else:
         truncated = image_bytes(SIZE, SIZE, seed=606)[:300]  # decodes its header, not its pixels
         encode(cluster, truncated, req_id, wait=False)
