@@ -19,6 +19,7 @@ from support import image_bytes, image_item, wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 URL = "http://127.0.0.1:8000"  # serve_config.yaml's http_options
+DASHBOARD = "http://127.0.0.1:8265"  # the dashboard of the cluster `serve run` starts
 
 
 def _port_free(port: int) -> bool:
@@ -146,8 +147,16 @@ def _serve_cli(*args: str) -> str:
 
 
 def _encoder_status() -> dict:
-    status = yaml.safe_load(_serve_cli("status"))
-    return status["applications"]["epd"]["deployments"]["Encoder"]
+    """The Encoder's status and its replicas' states, from the dashboard's REST API (what
+    `serve status` prints, without starting a CLI process per look)."""
+    token = (pathlib.Path.home() / ".ray" / "auth_token").read_text().strip()
+    answer = httpx.get(DASHBOARD + "/api/serve/applications/", headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    answer.raise_for_status()
+    encoder = answer.json()["applications"]["epd"]["deployments"]["Encoder"]
+    states: dict[str, int] = {}
+    for replica in encoder["replicas"]:
+        states[replica["state"]] = states.get(replica["state"], 0) + 1
+    return {"status": encoder["status"], "replica_states": states}
 
 
 def test_serve_deploy_of_a_changed_config_keeps_staged_entries_and_drops_no_request(service, tmp_path):
@@ -178,7 +187,7 @@ def test_serve_deploy_of_a_changed_config_keeps_staged_entries_and_drops_no_requ
         _serve_cli("deploy", str(tmp_path / "changed.yaml"))
         wait_until(
             lambda: (s := _encoder_status())["status"] == "HEALTHY" and s["replica_states"] == {"RUNNING": 2}, 120,
-            interval_s=1, what="two new Encoder replicas and the old one gone",
+            interval_s=0.5, what="two new Encoder replicas and the old one gone",
         )
         time.sleep(1)
     finally:

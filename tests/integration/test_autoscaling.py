@@ -1,0 +1,97 @@
+"""The Encoder autoscales under traffic, up and back down: every request is answered and no
+staged entry is lost, because the registry, not the replica, owns what a replica encoded."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import itertools
+import threading
+import time
+
+import httpx
+import pytest
+import ray
+from ray import serve
+
+from deployments import BatchConfig, compose_app
+from support import MODEL_SPEC, deployment_options, image_bytes, image_item, reference_embedding, wait_until
+
+# Serve's autoscaler, tuned to react within a second or two: one ongoing request per
+# replica is the target, so eight clients ask for the second replica at once.
+AUTOSCALING = {
+    "Encoder": {
+        "autoscaling_config": {
+            "min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
+            "metrics_interval_s": 0.2, "look_back_period_s": 0.5, "upscale_delay_s": 0.0, "downscale_delay_s": 1.0,
+        },
+        "ray_actor_options": {"num_gpus": 0.5, "num_cpus": 0},
+        # Batches wait for company, so requests pile up on a replica as they would on a busy GPU.
+        "user_config": BatchConfig(max_batch_size=4, batch_wait_timeout_s=0.25).model_dump(),
+    },
+    "Ingress": {"ray_actor_options": {"num_cpus": 0}},
+}
+
+
+def _running_encoders() -> int:
+    deployment = serve.status().applications["epd"].deployments["Encoder"]
+    return deployment.replica_states.get("RUNNING", 0)
+
+
+class _Traffic:
+    """Clients that each encode a new image after another, until told to stop."""
+
+    def __init__(self, cluster):
+        self._cluster = cluster
+        self._seeds = itertools.count(8000)
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self.answers: list[tuple[int, int, str | None]] = []  # (seed, status, req_id)
+
+    def run(self, clients: int, until) -> None:
+        self._stop.clear()
+        with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+            workers = [pool.submit(self._client) for _ in range(clients)]
+            try:
+                wait_until(lambda: until() or any(w.done() for w in workers), 90, interval_s=0.2, what="the replica count")
+            finally:
+                self._stop.set()
+            for worker in workers:
+                worker.result()  # a client's own failure shows here
+
+    def _client(self) -> None:
+        with httpx.Client(base_url=self._cluster.url, headers=self._cluster.headers, timeout=60) as http:
+            while not self._stop.is_set():
+                with self._lock:
+                    seed = next(self._seeds)
+                body = {"receive_count": 1, "items": [image_item(image_bytes(48, 48, seed=seed))]}
+                response = http.post("/v1/encode", json=body)
+                req_id = response.json().get("req_id") if response.status_code == 200 else response.text
+                with self._lock:
+                    self.answers.append((seed, response.status_code, req_id))
+
+
+@pytest.mark.slow
+def test_the_encoder_scales_up_and_down_under_traffic_and_loses_nothing(cluster):
+    try:
+        serve.run(compose_app(cluster.app_args, deployment_options=AUTOSCALING), name="epd", route_prefix="/")
+        assert _running_encoders() == 1
+        traffic = _Traffic(cluster)
+        traffic.run(8, until=lambda: _running_encoders() == 2)  # up, under eight clients
+        assert _running_encoders() == 2
+        upscaled_after = len(traffic.answers)
+        traffic.run(1, until=lambda: _running_encoders() == 1)  # down, while one client goes on
+        time.sleep(0.5)
+        traffic.run(1, until=lambda: len(traffic.answers) >= upscaled_after + 12)  # and on the one left
+        assert _running_encoders() == 1
+    finally:
+        serve.run(compose_app(cluster.app_args, deployment_options=deployment_options()), name="epd", route_prefix="/")
+
+    statuses = [status for _, status, _ in traffic.answers]
+    assert statuses == [200] * len(statuses), [a for a in traffic.answers if a[1] != 200]
+    # Every staged entry, whichever replica encoded it and whether it still runs, is fetched
+    # whole and exact, in one batch.
+    got = ray.get(cluster.ranks[0].fetch_many.remote([req_id for _, _, req_id in traffic.answers], 60.0))
+    for seed, _, req_id in traffic.answers:
+        expected = hashlib.sha256(reference_embedding(image_bytes(48, 48, seed=seed), **MODEL_SPEC).tobytes()).hexdigest()
+        assert got[req_id] == [expected], (seed, req_id, got[req_id])
