@@ -28,6 +28,8 @@ from typing import Any, Iterator
 
 import ray
 
+from benchmarks.ray_internals import start_node, stop_monitor
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Logical CPUs, not the machine's: actors and replicas ask for few or none, and the
 # Encoder replicas ask for 2 so that Ray gives them two intra-op threads (see end_to_end).
@@ -77,11 +79,7 @@ def local_cluster(namespace: str) -> Iterator[dict[str, Any]]:
     finally:
         # No serve.shutdown(): it stops every replica gracefully, one by one (seconds), and
         # ray.shutdown() ends this cluster's every process anyway, since this driver started it.
-        # It gives each of them a second to exit on SIGTERM, which the autoscaler's monitor
-        # (idle here: no autoscaling) never does: measured 1.0 s of a 1.4 s shutdown.
-        node = ray._private.worker._global_node
-        if node is not None:
-            node.kill_monitor(check_alive=False)
+        stop_monitor()
         ray.shutdown()
 
 
@@ -103,7 +101,7 @@ def start_serve() -> dict[str, Any]:
 def start_prefaulted_node(resource: str) -> Any:
     """Add a second node to the running cluster, on this machine, whose object store its
     raylet pre-faults at start (``RAY_preallocate_plasma_memory=1``); work that asks for
-    ``resource`` runs there. Returns the node, for ``remove_node``.
+    ``resource`` runs there. Returns the node, for ``benchmarks.ray_internals.remove_node``.
 
     It has no CPUs, so nothing that does not ask for ``resource`` is placed on it. It is
     started as ``ray.cluster_utils.Cluster.add_node`` starts one (Ray's ``Node``): a
@@ -113,65 +111,7 @@ def start_prefaulted_node(resource: str) -> Any:
     the kernel's parent-death signal when the *thread* that started them ends, so that
     thread must outlive the node's use; ``remove_node`` ends them.
     """
-    from ray._private.node import Node
-    from ray._private.parameter import RayParams
-    from ray._private.services import wait_for_node
-
-    head = ray._private.worker.global_worker.node
-    params = RayParams(
-        gcs_address=head.gcs_address,
-        num_cpus=0,
-        num_gpus=0,
-        resources={resource: 1},
-        object_store_memory=PREFAULTED_STORE_BYTES,
-        include_log_monitor=False,  # the head's log monitor covers this machine
-        node_manager_port=0,
-        min_worker_port=0,
-        max_worker_port=0,
-    )
-    params.dashboard_agent_listen_port = None  # a free port, not the head agent's
-    os.environ["RAY_preallocate_plasma_memory"] = "1"  # read by the raylet this starts
-    try:
-        node = Node(params, head=False, shutdown_at_exit=False, spawn_reaper=True)
-    finally:
-        os.environ.pop("RAY_preallocate_plasma_memory", None)
-    try:
-        wait_for_node(node.gcs_address, node.plasma_store_socket_name, 60)
-    except BaseException:
-        remove_node(node)
-        raise
-    return node
-
-
-def remove_node(node: Any) -> None:
-    """End every process of a node that ``start_prefaulted_node`` started."""
-    node.kill_all_processes(check_alive=False, allow_graceful=True, wait=True)
-
-
-def object_store_used() -> int:
-    """Bytes allocated in the shared-memory object store of every node (the raylet's figure)."""
-    from ray._private import internal_api
-
-    state = internal_api.get_state_from_address(ray.get_runtime_context().gcs_address)
-    return int(internal_api.get_memory_info_reply(state).store_stats.object_store_bytes_used)
-
-
-def executed_tasks(actor: Any) -> int:
-    """Calls the process of ``actor`` has executed, as its raylet counts them.
-
-    Read from the raylet, not from the actor, so that counting does not add a call.
-    """
-    from ray._private import internal_api
-
-    actor_id = actor._actor_id.binary()
-    for node in ray.nodes():
-        if not node["Alive"]:
-            continue
-        stats = internal_api.node_stats(node["NodeManagerAddress"], node["NodeManagerPort"], include_memory_info=False)
-        for worker in stats.core_workers_stats:
-            if worker.actor_id == actor_id:
-                return int(worker.num_executed_tasks)
-    raise RuntimeError("the actor's worker was not found in any raylet's stats")
+    return start_node({resource: 1}, PREFAULTED_STORE_BYTES, {"RAY_preallocate_plasma_memory": "1"})
 
 
 def load_average() -> list[float] | None:

@@ -38,7 +38,7 @@ import uuid
 import ray
 
 from benchmarks import standin
-from benchmarks.cluster import executed_tasks
+from benchmarks.ray_internals import executed_tasks
 from benchmarks.cpu import CpuMeter, by_title
 from benchmarks.plan import Context, Plan
 from benchmarks.probes import pipelined

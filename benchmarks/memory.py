@@ -39,7 +39,7 @@ import ray
 from ray import serve
 
 from benchmarks import standin
-from benchmarks.cluster import object_store_used
+from benchmarks.ray_internals import object_store_usage
 from benchmarks.images import png
 from benchmarks.plan import SIZES, Context, Plan
 
@@ -66,7 +66,7 @@ class _Sampler:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, object_store_used())
+            self.peak = max(self.peak, object_store_usage()[0])
             self.samples += 1
             self._stop.wait(0.002)
 
@@ -77,7 +77,7 @@ class _Sampler:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, object_store_used())
+        self.peak = max(self.peak, object_store_usage()[0])
 
 
 def _settled(timeout_s: float = 15.0) -> int:
@@ -86,10 +86,10 @@ def _settled(timeout_s: float = 15.0) -> int:
     second), and a baseline taken mid-free would be too high. Smaller changes are Ray's
     and Serve's own small objects, which come and go whatever the sections do."""
     deadline = time.perf_counter() + timeout_s
-    last = object_store_used()
+    last = object_store_usage()[0]
     while time.perf_counter() < deadline:
         time.sleep(1.2)
-        now = object_store_used()
+        now = object_store_usage()[0]
         if abs(now - last) <= _RETURN_TOLERANCE:
             return now
         last = now
@@ -133,7 +133,7 @@ def _burst(ctx: Context, path: str, bodies: list[dict], ranks: list, baseline: i
     del staged
     start = time.perf_counter()
     while (
-        left := object_store_used() - baseline
+        left := object_store_usage()[0] - baseline
     ) > _RETURN_TOLERANCE and time.perf_counter() - start < _RETURN_TIMEOUT_S:
         time.sleep(0.05)
     return {

@@ -43,7 +43,8 @@ import ray
 from ray import serve
 
 from benchmarks import standin
-from benchmarks.cluster import PREFAULTED_STORE_BYTES, remove_node, start_prefaulted_node
+from benchmarks.cluster import PREFAULTED_STORE_BYTES, start_prefaulted_node
+from benchmarks.ray_internals import remove_node
 from benchmarks.plan import SIZES, Context, Plan
 from benchmarks.stats import Results, figure_id, size_label
 

@@ -17,6 +17,8 @@ import numpy as np
 import ray
 from PIL import Image
 
+# Object-store accounting and log locations reach into Ray's private modules: one home for that.
+from benchmarks.ray_internals import global_gc, logs_dir, object_refs_in_use, object_store_usage  # noqa: F401
 from encoder import EncoderSpec, build_encoder
 from registry.inputs import INLINE_MAX_BYTES
 
@@ -129,47 +131,6 @@ def reference_embedding(data: bytes, **spec: Any) -> np.ndarray:
     return encoder.encode_batch([encoder.preprocess(data)])[0].payload
 
 
-_SERVE_CONTROL_PLANE = ("ServeController", "ProxyActor")
-
-
-def object_refs_in_use() -> dict[bytes, tuple[int, list[str]]]:
-    """Every object the cluster's processes reference, Serve's control plane aside:
-    object id -> (size in bytes, or -1 when unknown; holders as "Class:pid").
-
-    Left out, because they are Serve's bookkeeping and move with replica churn,
-    config updates and HTTP history, not with data this project stages (all seen
-    here): what the controller and HTTP proxies hold (an object of about 110 KB
-    per replica, 15-byte objects per past request), and the controller's replies
-    that every process with a handle keeps (long-poll config snapshots, ~110 KB).
-    """
-    from ray._private import internal_api
-    from ray._private.state import actors
-    from ray.core.generated import common_pb2
-
-    classes = {aid: a.get("ActorClassName") for aid, a in actors().items()}
-    control_plane = {bytes.fromhex(aid) for aid, cls in classes.items() if cls in _SERVE_CONTROL_PLANE}
-    refs: dict[bytes, tuple[int, list[str]]] = {}
-    for node in ray.nodes():
-        if not node["Alive"]:
-            continue
-        try:
-            stats = internal_api.node_stats(node["NodeManagerAddress"], node["NodeManagerPort"], include_memory_info=True)
-        except Exception:  # noqa: BLE001 - a node that just died and is not marked dead yet holds nothing
-            continue
-        for worker in stats.core_workers_stats:
-            holder = classes.get(worker.actor_id.hex()) or common_pb2.WorkerType.Name(worker.worker_type).lower()
-            if holder in _SERVE_CONTROL_PLANE:
-                continue
-            for ref in worker.object_refs:
-                # An object id is the id of the task that made it (8 bytes, then the
-                # actor's 16) and an index; skip what the control plane's tasks returned.
-                if ref.object_id[8:24] in control_plane:
-                    continue
-                size, holders = refs.get(ref.object_id, (-1, []))
-                refs[ref.object_id] = (max(size, ref.object_size), [*holders, f"{holder}:{worker.pid}"])
-    return refs
-
-
 # Ray stores objects larger than this in the shared-memory object store and
 # smaller ones inline in their owner's memory (RAY_max_direct_call_object_size).
 INLINE_OBJECT_LIMIT = INLINE_MAX_BYTES
@@ -183,19 +144,8 @@ def object_store_bytes_in_use() -> int:
     cycles (Serve's router keeps some failed calls to a dead replica in them) are
     garbage a busy process collects on its own, not leaks.
     """
-    from ray._private.internal_api import global_gc
-
     global_gc()
     return sum(size for size, _ in object_refs_in_use().values() if size > INLINE_OBJECT_LIMIT)
-
-
-def object_store_usage() -> tuple[int, int]:
-    """(bytes used, objects) in the shared-memory object store of every node."""
-    from ray._private import internal_api
-
-    state = internal_api.get_state_from_address(ray.get_runtime_context().gcs_address)
-    stats = internal_api.get_memory_info_reply(state).store_stats
-    return int(stats.object_store_bytes_used), int(stats.num_local_objects)
 
 
 def registry_stats(name: str | None = None, namespace: str | None = None) -> dict[str, int]:
@@ -284,11 +234,6 @@ def _raw(tensor) -> bytes:
     if tensor.dtype == torch.bfloat16:
         tensor = tensor.view(torch.int16)
     return tensor.numpy().tobytes()
-
-
-def logs_dir() -> str:
-    """This cluster's session log folder (Serve's replica logs are under ``serve/``)."""
-    return ray._private.worker.global_worker.node.get_logs_dir_path()
 
 
 def log_lines_since(offsets: dict[str, int], patterns: tuple[str, ...] = ("serve/*.log", "worker-*.err", "worker-*.out")) -> dict[str, list[str]]:
