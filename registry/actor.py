@@ -243,13 +243,15 @@ class EmbeddingRegistry:
     # --- ranks --------------------------------------------------------------------
 
     async def fetch(self, req_id: str, rank: int, timeout_s: float) -> list[tuple[dict[str, Any], ray.ObjectRef]]:
-        """Wait until ``req_id`` is staged, count ``rank`` as a receiver, return (meta, ref) per item.
+        """Wait until ``req_id`` is staged, count ``rank`` as a receiver, return (meta, ref) per
+        item, where a small item (up to ``registry.inputs.INLINE_MAX_BYTES``) comes as its
+        ``EncodedItem`` in place of the ref.
 
         The caller becomes a borrower of the refs, so it keeps the bytes alive after
         the registry releases them.
         """
         result = await self._receive(req_id, rank, timeout_s)
-        return [(item.meta, item.ref) for item in result.items]
+        return [(item.meta, item.ref if item.value is None else item.value) for item in result.items]
 
     async def fetch_many(
         self, req_ids: list[str], rank: int, timeout_s: float
@@ -318,6 +320,7 @@ class EmbeddingRegistry:
     async def _receive(self, req_id: str, rank: int, timeout_s: float) -> FetchResult:
         """Wait until ``req_id`` is staged and count ``rank`` as a receiver (``fetch`` and
         ``acknowledge``)."""
+        self._ensure_background_tasks()  # its counts are published by them
         self._check_owned(req_id)
         started = time.monotonic()
         deadline = started + _check_wait(timeout_s, "timeout_s", req_id)
@@ -464,6 +467,7 @@ class EmbeddingRegistry:
         computing them on every change took about a tenth of the registry's CPU under load."""
         while True:
             await asyncio.sleep(_METRICS_PERIOD_S)
+            self._metrics.flush()
             if self._metrics_stale:
                 self._metrics_stale = False
                 self._metrics.sync({**self._state.stats(time.time()), **self._encoder.cache.stats()})
@@ -511,6 +515,7 @@ class EmbeddingRegistry:
 
     def _count_error(self, error: RegistryError) -> None:
         """Count ``error`` and log it: the one line about it, with its req_id, code and cause."""
+        self._ensure_background_tasks()
         self._metrics.errors.inc(tags={"code": error.code})
         if isinstance(error, Overloaded):  # a flood of them must not flood the log
             self._overload_log.log(logging.WARNING, "overloaded", "request refused: %s", error_fields(error))

@@ -30,7 +30,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, 
 from encoder.hashing import mm_hash
 from registry.cache import EncoderCache
 from registry.errors import EncodeFailed, Overloaded, RegistryError, Unavailable, unwrap
-from registry.inputs import MediaInput
+from registry.inputs import INLINE_MAX_BYTES, MediaInput
 from registry.logs import get_logger
 from registry.state import StagedItem
 
@@ -156,7 +156,11 @@ class EncoderClient:
                     )
                     continue
             else:
-                item = StagedItem(meta=encoded.meta, ref=ref)
+                # A small item rides in each fetch's reply: a rank then needs no second call
+                # (to this process, the owner) to read it. A large one is read from the object
+                # store, zero-copy; keeping its value here would pin a mapping of it.
+                small = encoded.meta["nbytes"] <= INLINE_MAX_BYTES
+                item = StagedItem(meta=encoded.meta, ref=ref, value=encoded if small else None)
                 if encoded.meta.get("mm_hash") == key:
                     if self.cache.max_bytes > 0:
                         self.cache.put(key, item)

@@ -3,16 +3,37 @@
 Kept out of the state machine so the rules stay testable without Ray; the actor
 publishes ``RegistryState.stats()`` and the cache's stats through ``sync`` at most
 every 0.5 s while the table changes (``registry.actor``'s publish loop): gauges as
-they are, running totals as counter increments.
+they are, running totals as counter increments. The per-call counters (requests,
+fetches, errors) are counted in this process and handed to Ray by ``flush`` on the
+same loop: a Ray counter increment costs about as much as the registry's own work
+for a fetch, and Prometheus reads them every few seconds anyway.
 """
 
 from __future__ import annotations
+
+from collections import Counter as _Count
 
 from ray.util.metrics import Counter, Gauge, Histogram
 
 _LATENCY_BOUNDARIES_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
 _ENDED_STATES = ("released", "expired", "cancelled", "failed")
 _CACHE_EVENTS = {"cache_hits_total": "hit", "cache_misses_total": "miss", "cache_evictions_total": "eviction"}
+
+
+class _LocalCounter:
+    """A Ray ``Counter``'s ``inc``, counted here until ``flush`` hands the sums to Ray."""
+
+    def __init__(self, counter: Counter):
+        self._counter = counter
+        self._counts: _Count[tuple[tuple[str, str], ...]] = _Count()
+
+    def inc(self, value: int = 1, tags: dict[str, str] | None = None) -> None:
+        self._counts[tuple(sorted((tags or {}).items()))] += value
+
+    def flush(self) -> None:
+        counts, self._counts = self._counts, _Count()
+        for tags, value in counts.items():
+            self._counter.inc(value, tags=dict(tags))
 
 
 class RegistryMetrics:
@@ -24,10 +45,13 @@ class RegistryMetrics:
         def counter(name: str, description: str, *keys: str) -> Counter:
             return Counter(name, description, tag_keys=("registry", "shard", *keys)).set_default_tags(tags)
 
+        def local_counter(name: str, description: str, *keys: str) -> _LocalCounter:
+            return _LocalCounter(counter(name, description, *keys))
+
         def gauge(name: str, description: str) -> Gauge:
             return Gauge(name, description, tag_keys=("registry", "shard")).set_default_tags(tags)
 
-        self.encode_requests = counter(
+        self.encode_requests = local_counter(
             "epd_encode_requests_total", "Encode requests by result (accepted, duplicate, rejected).", "result"
         )
         self.encode_latency = Histogram(
@@ -37,12 +61,12 @@ class RegistryMetrics:
         self.pending = gauge("epd_pending_entries", "Entries being encoded.")
         self.staged = gauge("epd_staged_entries", "Entries staged and waiting for ranks.")
         self.staged_bytes = gauge("epd_staged_bytes", "Bytes of staged embeddings held by entries.")
-        self.fetches = counter("epd_fetches_total", "Rank fetches by result (ok, released, or an error code).", "result")
+        self.fetches = local_counter("epd_fetches_total", "Rank fetches by result (ok, released, or an error code).", "result")
         self.ended = counter(
             "epd_entries_ended_total", "Entries that reached a terminal state (released, expired, cancelled, failed).",
             "state",
         )
-        self.errors = counter("epd_errors_total", "Errors returned by the registry, by code.", "code")
+        self.errors = local_counter("epd_errors_total", "Errors returned by the registry, by code.", "code")
         self.late_results = counter(
             "epd_late_results_total", "Encode results dropped because their entry had already ended."
         )
@@ -50,6 +74,11 @@ class RegistryMetrics:
         self.cache_events = counter(
             "epd_cache_events_total", "Content-hash cache lookups and evictions (hit, miss, eviction).", "event"
         )
+
+    def flush(self) -> None:
+        """Hand the per-call counts made since the last flush to Ray."""
+        for counter in (self.encode_requests, self.fetches, self.errors):
+            counter.flush()
 
     def sync(self, stats: dict[str, int]) -> None:
         self.pending.set(stats["pending"])

@@ -83,8 +83,21 @@ def _timeout_as_not_ready(answer: Any) -> Any:
     return ray_exc.GetTimeoutError("timed out") if isinstance(answer, TimeoutError) else answer
 
 
-def _items(pairs: list[tuple[dict[str, Any], Any]], values: list[EncodedItem]) -> list[ReceivedItem]:
-    return [ReceivedItem(tensor=value.tensor(), meta=meta) for (meta, _), value in zip(pairs, values, strict=True)]
+def _refs(pairs: list[tuple[dict[str, Any], Any]]) -> list[ray.ObjectRef]:
+    """What is left to read of a fetch's answer: small items came in it, large ones as refs."""
+    return [held for _, held in pairs if isinstance(held, ray.ObjectRef)]
+
+
+def _items(pairs: list[tuple[dict[str, Any], Any]], read: list[EncodedItem]) -> list[ReceivedItem]:
+    """The received items, in order: each pair's item, or the value read for its ref."""
+    values = iter(read)
+    items = [
+        ReceivedItem(tensor=(next(values) if isinstance(held, ray.ObjectRef) else held).tensor(), meta=meta)
+        for meta, held in pairs
+    ]
+    if next(values, None) is not None:
+        raise RuntimeError("more values read than refs fetched")
+    return items
 
 
 class EmbeddingReceiver:
@@ -126,8 +139,9 @@ class EmbeddingReceiver:
             self._shards = None
             shards = yield ("shards", None)
             pairs = yield ("get", shards.of(req_id).fetch.remote(req_id, self.rank, timeout_s))
+        refs = _refs(pairs)
         try:
-            values = yield ("get", [ref for _, ref in pairs])
+            values = (yield ("get", refs)) if refs else []
         except _LOST:
             yield ("report_lost", req_id)
             raise
@@ -155,7 +169,7 @@ class EmbeddingReceiver:
                 break
             self._shards = None
         staged = {req_id: pairs for req_id, pairs in out.items() if isinstance(pairs, list)}
-        values = yield ("gather", [[ref for _, ref in pairs] for pairs in staged.values()])
+        values = yield ("gather", [_refs(pairs) for pairs in staged.values()])
         for (req_id, pairs), value in zip(staged.items(), values, strict=True):
             if isinstance(value, _LOST):
                 yield ("report_lost", req_id)

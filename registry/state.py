@@ -106,10 +106,12 @@ class Limits:
 
 @dataclasses.dataclass(slots=True)
 class StagedItem:
-    """One staged embedding: its metadata and the handle of its bytes (an ObjectRef)."""
+    """One staged embedding: its metadata, the handle of its bytes (an ObjectRef), and,
+    for an item small enough to ride in a fetch's reply, the item itself (``value``)."""
 
     meta: dict[str, Any]
     ref: Any
+    value: Any = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -252,7 +254,7 @@ class RegistryState:
         if not self._is_pending(entry):
             return False
         self._move(entry, STAGED)
-        entry.items = [StagedItem({"index": i, **item.meta}, item.ref) for i, item in enumerate(items)]
+        entry.items = [StagedItem({"index": i, **item.meta}, item.ref, item.value) for i, item in enumerate(items)]
         entry.metas = [item.meta for item in entry.items]
         entry.staged_at = now
         self._staged_bytes += entry.nbytes
