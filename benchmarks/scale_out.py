@@ -3,9 +3,10 @@
 On one local cluster with the stand-in encoder (``benchmarks.standin``: 8 KB items,
 free to compute, so the registry and the transport are measured, not a model):
 
-* **shards**: full lifecycles (a submit, ``receive_count`` = 4 rank fetches, the
-  release inside the last) per second with 1, 2 and 4 registry shards, and the CPU
-  seconds per lifecycle of every process, summed and by role (``benchmarks.cpu``).
+* **shards**: full lifecycles (a submit, ``receive_count`` = TP rank fetches, the
+  release inside the last) per second with 1, 2 and 4 registry shards at TP 4, and on
+  one shard at TP 1, and the CPU seconds per lifecycle of every process, summed and by
+  role (``benchmarks.cpu``).
   The driver submits to each request's shard and 4 rank processes fetch every request
   with ``fetch_async``, each keeping ``--concurrency`` calls in flight.
 * **fetch_many**: one rank fetching ``--batch`` staged requests with one
@@ -153,34 +154,41 @@ def _wait_staged(shards: Any, req_ids: list[str]) -> None:
 
 
 def measure_shards(ranks: list[Any], namespace: str, token: str, lifecycles: int, concurrency: int) -> dict[str, Any]:
-    rank_pids = dict.fromkeys(ray.get([rank.pid.remote() for rank in ranks]), "ranks")
+    """Per (shards, TP): lifecycles/s and CPU ms per lifecycle by role. TP 1 beside TP 4 on one
+    shard splits the registry's CPU into a part per request and a part per rank's fetch."""
     out: dict[str, Any] = {}
-    for count in SHARD_COUNTS:
-        name = f"scale_{count}_{token}"
+    for count, tp in ((1, 1), *((n, RECEIVE_COUNT) for n in SHARD_COUNTS)):
+        name = f"scale_{count}_{tp}_{token}"
         shards = _registry(name, namespace, count)
-        pids = {ping["pid"]: "registry" for ping in ray.get([h.ping.remote() for h in shards.handles])}
-        ray.get([rank.use_registry.remote(name, namespace) for rank in ranks])
+        fetchers = ranks[:tp]
+        ray.get([rank.use_registry.remote(name, namespace) for rank in fetchers])
         classify = by_title(
             {f"ServeReplica:{standin.APP}:Encoder": "encoder", "ServeController": "controller",
              "raylet/raylet": "raylet", "gcs_server": "gcs"},
-            {**pids, **rank_pids},
+            {**{ping["pid"]: "registry" for ping in ray.get([h.ping.remote() for h in shards.handles])},
+             **dict.fromkeys(ray.get([rank.pid.remote() for rank in ranks]), "ranks")},
         )
-        for n, timed in ((max(20, lifecycles // 10), False), (lifecycles, True)):  # a warm-up, then the run
-            req_ids = [uuid.uuid4().hex for _ in range(n)]
-            with CpuMeter(classify) as cpu:
-                start = time.perf_counter()
-                fetching = [rank.fetch_all.remote(req_ids, concurrency) for rank in ranks]
-                _submit_all(shards, req_ids, RECEIVE_COUNT, concurrency)
-                failed = sum(ray.get(fetching))
-                elapsed = time.perf_counter() - start
-        out[str(count)] = {
-            "lifecycles_per_s": round(lifecycles / elapsed, 1),
+        _lifecycles(shards, fetchers, max(20, lifecycles // 10), concurrency, classify)  # warm-up
+        rate, cpu, failed = _lifecycles(shards, fetchers, lifecycles, concurrency, classify)
+        out[f"{count} shards, TP {tp}"] = {
+            "shards": count, "tp": tp, "lifecycles_per_s": round(rate, 1), "fetch_errors": failed,
             "cpu_ms_per_lifecycle": {role: round(cpu.by_role.get(role, 0.0) / lifecycles * 1e3, 2) for role in ROLES},
-            "fetch_errors": failed,
         }
         for handle in shards.handles:
             ray.kill(handle)
     return out
+
+
+def _lifecycles(shards: Any, ranks: list[Any], n: int, concurrency: int, classify: Any) -> tuple[float, CpuMeter, int]:
+    """``n`` lifecycles with ``len(ranks)`` = receive_count; (per second, the CPU meter, failed fetches)."""
+    req_ids = [uuid.uuid4().hex for _ in range(n)]
+    with CpuMeter(classify) as cpu:
+        start = time.perf_counter()
+        fetching = [rank.fetch_all.remote(req_ids, concurrency) for rank in ranks]
+        _submit_all(shards, req_ids, len(ranks), concurrency)
+        failed = sum(ray.get(fetching))
+        elapsed = time.perf_counter() - start
+    return n / elapsed, cpu, failed
 
 
 def measure_fetch_many(ranks: list[Any], namespace: str, token: str, batch: int, rounds: int) -> dict[str, Any]:
