@@ -330,12 +330,24 @@ class _WorkerSide:
             return  # a later pipeline stage: it never reads multimodal embeddings
         receiver = self._receiver(rank)
         device = _device()
+        to_fetch = []
         for load in loads:
             if load.acknowledge_only or (load.identifier in encoder_cache and not load.reload):
                 self._acknowledge(receiver, load.identifier)
-                continue
+            else:
+                to_fetch.append(load)
+        if not to_fetch:
+            return
+        # One registry call per shard for the whole step, not one per item.
+        try:
+            fetched: dict[str, Any] = receiver.fetch_many(
+                [load.identifier for load in to_fetch], timeout_s=self.settings.fetch_timeout_s
+            )
+        except Exception as exc:  # noqa: BLE001 - a failed load must not take the worker down
+            fetched = dict.fromkeys((load.identifier for load in to_fetch), exc)
+        for load in to_fetch:
             try:
-                encoder_cache[load.identifier] = self._fetch(receiver, load).to(device=device, dtype=self._dtype)
+                encoder_cache[load.identifier] = self._checked(load, fetched[load.identifier]).to(device=device, dtype=self._dtype)
                 self._loaded.add(load.identifier)
             except Exception as exc:  # noqa: BLE001 - a failed load must not take the worker down
                 why = f"[{getattr(exc, 'code', type(exc).__name__)}] {exc}"
@@ -352,10 +364,12 @@ class _WorkerSide:
         self._failed.clear()
         return report
 
-    def _fetch(self, receiver: Any, load: ItemLoad) -> torch.Tensor:
+    def _checked(self, load: ItemLoad, items: Any) -> torch.Tensor:
+        """The item's tensor from a ``fetch_many`` answer; raises its error or a mismatch."""
         from registry.errors import InvalidRequest
 
-        items = receiver.fetch(load.identifier, timeout_s=self.settings.fetch_timeout_s)
+        if isinstance(items, BaseException):
+            raise items
         if len(items) != 1:
             raise InvalidRequest(f"req_id {load.identifier} holds {len(items)} items; an engine item is a one-item encode")
         tensor = items[0].tensor
