@@ -208,7 +208,23 @@ def _run_model(ctx: Context, model: str) -> None:
     base = {"before": _inprocess(encoder, media, threads, batch, plan.inprocess_s)}
     ctx.progress.step(f"e2e {model}: in-process")
     joined_before = ray.get(registry.stats.remote())["encodes_joined_total"]
-    classify = by_title(
+    classify = _classifier(app, registry)
+    saturated = asyncio.run(_served(ctx, model, handle, url, pool, raw, classify))
+    joined = ray.get(registry.stats.remote())["encodes_joined_total"] - joined_before
+    base["after"] = _inprocess(encoder, media, threads, batch, plan.inprocess_s, warm_up=False)
+    ctx.progress.step(f"e2e {model}: in-process again")
+    _compare(ctx, model, base, saturated)
+    results.note(
+        SECTION,
+        (
+            f"{model}: replica torch threads {threads}, batch {batch}; encodes shared between requests during "
+            f"the served runs: {joined} (0 means every image was encoded)."
+        ),
+    )
+
+
+def _classifier(app: str, registry) -> Any:
+    return by_title(
         {
             f"ServeReplica:{app}:Encoder": "encoder",
             f"ServeReplica:{app}:Ingress": "ingress",
@@ -219,10 +235,11 @@ def _run_model(ctx: Context, model: str) -> None:
         },
         {ray.get(registry.ping.remote())["pid"]: "registry"},
     )
-    saturated = asyncio.run(_served(ctx, model, handle, url, pool, raw, classify))
-    joined = ray.get(registry.stats.remote())["encodes_joined_total"] - joined_before
-    base["after"] = _inprocess(encoder, media, threads, batch, plan.inprocess_s, warm_up=False)
-    ctx.progress.step(f"e2e {model}: in-process again")
+
+
+def _compare(ctx: Context, model: str, base: dict[str, dict[str, float]], saturated: dict[str, str]) -> None:
+    """The in-process baselines, and each served path's saturated rate against the best of them."""
+    results, labels = ctx.results, {"model": model}
     keys = {}
     for kind in ("forward", "pipeline"):
         for when, figures in base.items():
@@ -262,13 +279,6 @@ def _run_model(ctx: Context, model: str) -> None:
                 path_labels,
                 [sat, keys["forward"]],
             )
-    results.note(
-        SECTION,
-        (
-            f"{model}: replica torch threads {threads}, batch {batch}; encodes shared between requests during "
-            f"the served runs: {joined} (0 means every image was encoded)."
-        ),
-    )
 
 
 async def _served(
@@ -299,39 +309,44 @@ async def _served(
         )
         for path in PATHS:
             send, bodies = senders[path]
-            keys = []
-            for concurrency in plan.e2e_concurrency:
-                labels = {"model": model, "path": path, "concurrency": concurrency}
-                with CpuMeter(classify) as cpu:
-                    latencies, total, window_s = await _closed_loop(
-                        send, bodies, concurrency, plan.e2e_warmup_s, plan.e2e_window_s
-                    )
-                if concurrency == max(plan.e2e_concurrency):
-                    for role in ROLES:  # where the CPU went, per image, at the highest concurrency
-                        results.add(
-                            SECTION,
-                            "cpu_s_per_image",
-                            cpu.by_role.get(role, 0.0) / total,
-                            "s",
-                            {"model": model, "path": path, "process": role},
-                            n=total,
-                        )
-                    top = sorted(cpu.other.items(), key=lambda kv: -kv[1])[:4]
-                    results.note(
-                        SECTION,
-                        f"{model}, {path}: the largest 'other' processes, CPU ms per image: "
-                        + ", ".join(f"{name} {seconds / total * 1e3:.1f}" for name, seconds in top),
-                    )
-                if not latencies:
-                    raise RuntimeError(
-                        f"no {path} request completed within {window_s:.0f}s at concurrency {concurrency}"
-                    )
-                rate = len(latencies) / window_s
-                keys.append(results.add(SECTION, "images_per_s", rate, "images/s", labels, n=len(latencies)))
-                results.add_samples(SECTION, "latency_s", latencies, "s", labels)
-                ctx.progress.step(f"e2e {model}: {path} x{concurrency}")
+            keys = [
+                await _one_level(ctx, model, path, concurrency, send, bodies, classify)
+                for concurrency in plan.e2e_concurrency
+            ]
             best = max(keys, key=results.value)
             saturated[path] = results.add(
                 SECTION, "saturated_images_per_s", results.value(best), "images/s", {"model": model, "path": path}
             )
     return saturated
+
+
+async def _one_level(ctx: Context, model: str, path: str, concurrency: int, send, bodies: list, classify) -> str:
+    """One path at one concurrency: its rate and latencies (and, at the highest, where the
+    CPU went); the rate's figure key."""
+    plan, results = ctx.plan, ctx.results
+    labels = {"model": model, "path": path, "concurrency": concurrency}
+    with CpuMeter(classify) as cpu:
+        latencies, total, window_s = await _closed_loop(send, bodies, concurrency, plan.e2e_warmup_s, plan.e2e_window_s)
+    if concurrency == max(plan.e2e_concurrency):
+        for role in ROLES:  # where the CPU went, per image, at the highest concurrency
+            results.add(
+                SECTION,
+                "cpu_s_per_image",
+                cpu.by_role.get(role, 0.0) / total,
+                "s",
+                {"model": model, "path": path, "process": role},
+                n=total,
+            )
+        top = sorted(cpu.other.items(), key=lambda kv: -kv[1])[:4]
+        results.note(
+            SECTION,
+            f"{model}, {path}: the largest 'other' processes, CPU ms per image: "
+            + ", ".join(f"{name} {seconds / total * 1e3:.1f}" for name, seconds in top),
+        )
+    if not latencies:
+        raise RuntimeError(f"no {path} request completed within {window_s:.0f}s at concurrency {concurrency}")
+    rate = len(latencies) / window_s
+    key = results.add(SECTION, "images_per_s", rate, "images/s", labels, n=len(latencies))
+    results.add_samples(SECTION, "latency_s", latencies, "s", labels)
+    ctx.progress.step(f"e2e {model}: {path} x{concurrency}")
+    return key

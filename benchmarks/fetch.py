@@ -108,6 +108,14 @@ def _record(ctx: Context, nbytes: int, samples: dict[str, list]) -> None:
         labels,
         how="p50 fetch / p50 ZMQ PUSH/PULL",
     )
+    _targets(ctx, nbytes, labels, samples, vs_bound, vs_zmq, (fetch, zmq, rtt, warm))
+
+
+def _targets(
+    ctx: Context, nbytes: int, labels: dict, samples: dict[str, list], vs_bound: float, vs_zmq: float, keys: tuple
+) -> None:
+    results = ctx.results
+    fetch, zmq, rtt, warm = keys
     results.target(
         SECTION,
         "fetch_vs_rtt_plus_memcpy",

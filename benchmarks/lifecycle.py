@@ -32,8 +32,11 @@ that fail are counted (``fetch_errors``, normally 0).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import ray
 
@@ -73,19 +76,41 @@ def _lifecycles(app: standin.StandInApp, ranks: list, count: int, concurrency: i
     return count / (time.perf_counter() - start), errors
 
 
+@dataclasses.dataclass
+class _Measured:
+    """What the timed loop found, keyed by concurrency where it has one."""
+
+    raw_keys: dict[int, str] = dataclasses.field(default_factory=dict)
+    life_keys: dict[int, str] = dataclasses.field(default_factory=dict)
+    calls_per: list[float] = dataclasses.field(default_factory=list)
+    errors: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
 def run(ctx: Context, app: standin.StandInApp) -> None:
-    plan, results = ctx.plan, ctx.results
-    noop, registry = ctx.probes.noop, app.registry
     ranks = ctx.probes.ranks[:RECEIVE_COUNT]
     if len(ranks) < RECEIVE_COUNT:
         raise RuntimeError(f"the registry section needs {RECEIVE_COUNT} rank processes, got {len(ranks)}")
     ray.get([rank.use_registry.remote(app.registry_name, app.namespace) for rank in ranks])
+    classify_raw, classify_life = _classifiers(ctx, app, ranks)
+    asyncio.run(pipelined(_raw_call(ctx), 200, 16))  # warm-up: connections, workers, code paths
+    _lifecycles(app, ranks, 20, 16)
+    measured = _measure(ctx, app, ranks, classify_raw, classify_life)
+    _record(ctx, measured)
+
+
+def _raw_call(ctx: Context) -> Callable[[], Awaitable[None]]:
+    noop = ctx.probes.noop
 
     async def raw_call() -> None:
         await noop.ping.remote()
 
+    return raw_call
+
+
+def _classifiers(ctx: Context, app: standin.StandInApp, ranks: list) -> tuple[Any, Any]:
+    """Which process plays which role, for the raw calls and for the lifecycles."""
     rank_pids = ray.get([rank.pid.remote() for rank in ranks])
-    classify_raw = by_title({}, {ray.get(noop.pid.remote()): "peer"})
+    classify_raw = by_title({}, {ray.get(ctx.probes.noop.pid.remote()): "peer"})
     classify_life = by_title(
         {
             f"ServeReplica:{standin.APP}:Encoder": "encoder",
@@ -93,25 +118,28 @@ def run(ctx: Context, app: standin.StandInApp) -> None:
             "raylet/raylet": "raylet",
             "gcs_server": "gcs",
         },
-        {ray.get(registry.ping.remote())["pid"]: "registry", **dict.fromkeys(rank_pids, "ranks")},
+        {ray.get(app.registry.ping.remote())["pid"]: "registry", **dict.fromkeys(rank_pids, "ranks")},
     )
-    asyncio.run(pipelined(raw_call, 200, 16))  # warm-up: connections, workers, code paths
-    _lifecycles(app, ranks, 20, 16)
-    raw_keys, life_keys, calls_per, errors = {}, {}, [], {}
+    return classify_raw, classify_life
+
+
+def _measure(ctx: Context, app: standin.StandInApp, ranks: list, classify_raw: Any, classify_life: Any) -> _Measured:
+    plan, results, registry = ctx.plan, ctx.results, app.registry
+    out = _Measured()
     top = max(plan.lifecycle_concurrency)
     for concurrency in plan.lifecycle_concurrency:
         labels = {"concurrency": concurrency}
         with CpuMeter(classify_raw) as raw_cpu:
-            rate = asyncio.run(pipelined(raw_call, plan.raw_calls, concurrency))
-        raw_keys[concurrency] = results.add(SECTION, "raw_calls_per_s", rate, "1/s", labels, n=plan.raw_calls)
+            rate = asyncio.run(pipelined(_raw_call(ctx), plan.raw_calls, concurrency))
+        out.raw_keys[concurrency] = results.add(SECTION, "raw_calls_per_s", rate, "1/s", labels, n=plan.raw_calls)
         ctx.progress.step(f"registry: raw calls x{concurrency}")
         before = executed_tasks(registry)
         with CpuMeter(classify_life) as life_cpu:
             rate, failed = _lifecycles(app, ranks, plan.lifecycles, concurrency)
-        calls_per.append((executed_tasks(registry) - before) / plan.lifecycles)
+        out.calls_per.append((executed_tasks(registry) - before) / plan.lifecycles)
         for name, n in failed.items():
-            errors[name] = errors.get(name, 0) + n
-        life_keys[concurrency] = results.add(SECTION, "lifecycles_per_s", rate, "1/s", labels, n=plan.lifecycles)
+            out.errors[name] = out.errors.get(name, 0) + n
+        out.life_keys[concurrency] = results.add(SECTION, "lifecycles_per_s", rate, "1/s", labels, n=plan.lifecycles)
         ctx.progress.step(f"registry: lifecycles x{concurrency}")
         if concurrency == top:  # where the CPU went, at the concurrency the target is judged at
             for name, meter, roles, n in (
@@ -121,19 +149,26 @@ def run(ctx: Context, app: standin.StandInApp) -> None:
                 for role in roles:
                     labels = {"concurrency": top, "process": role}
                     results.add(SECTION, name, meter.by_role.get(role, 0.0) / n, "s", labels, n=n)
-    serve_rate = ray.get(noop.serve_calls_per_s.remote(standin.APP, "Encoder", plan.raw_calls, top))
+    return out
+
+
+def _record(ctx: Context, measured: _Measured) -> None:
+    plan, results = ctx.plan, ctx.results
+    top = max(plan.lifecycle_concurrency)
+    serve_rate = ray.get(ctx.probes.noop.serve_calls_per_s.remote(standin.APP, "Encoder", plan.raw_calls, top))
     serve_key = results.add(SECTION, "serve_calls_per_s", serve_rate, "1/s", {"concurrency": top}, n=plan.raw_calls)
-    calls = max(calls_per)
-    total = len(calls_per) * plan.lifecycles
+    calls = max(measured.calls_per)
+    total = len(measured.calls_per) * plan.lifecycles
     calls_key = results.add(SECTION, "registry_calls_per_lifecycle", calls, "calls", n=total)
-    results.add(SECTION, "fetch_errors", sum(errors.values()), "calls", n=total * RECEIVE_COUNT)
-    raw, life = results.value(raw_keys[top]), results.value(life_keys[top])
+    results.add(SECTION, "fetch_errors", sum(measured.errors.values()), "calls", n=total * RECEIVE_COUNT)
+    life_key, raw_key = measured.life_keys[top], measured.raw_keys[top]
+    raw, life = results.value(raw_key), results.value(life_key)
     value = results.ratio(
         SECTION,
         "lifecycles_vs_raw_per_call",
         life * calls,
         raw,
-        [life_keys[top], raw_keys[top], calls_key],
+        [life_key, raw_key, calls_key],
         {"concurrency": top},
         how="lifecycles/s x registry calls per lifecycle / raw no-op calls/s",
     )
@@ -144,10 +179,15 @@ def run(ctx: Context, app: standin.StandInApp) -> None:
         "lifecycles_vs_raw_with_serve_call",
         life,
         1 / (calls / raw + 1 / serve_rate),
-        [life_keys[top], raw_keys[top], calls_key, serve_key],
+        [life_key, raw_key, calls_key, serve_key],
         {"concurrency": top},
         how="lifecycles/s / (1 / (registry calls per lifecycle / raw calls/s + 1 / no-op Serve calls/s))",
     )
+    _targets_and_note(ctx, value, calls, [life_key, raw_key, calls_key], calls_key, measured.errors)
+
+
+def _targets_and_note(ctx: Context, value: float, calls: float, inputs: list, calls_key: str, errors: dict) -> None:
+    results, top = ctx.results, max(ctx.plan.lifecycle_concurrency)
     results.target(
         SECTION,
         "lifecycles_vs_raw_per_call",
@@ -156,7 +196,7 @@ def run(ctx: Context, app: standin.StandInApp) -> None:
         0.8,
         "lifecycles/s >= 80% of (raw no-op calls/s / registry calls per lifecycle)",
         {"concurrency": top},
-        [life_keys[top], raw_keys[top], calls_key],
+        inputs,
     )
     results.target(
         SECTION,

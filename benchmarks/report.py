@@ -101,6 +101,17 @@ def plot_latency(doc: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_fetch, ax_stage) = plt.subplots(1, 2, figsize=(12, 4.5))
+    _plot_fetch(doc, ax_fetch)
+    _plot_staging(doc, ax_stage)
+    for ax in (ax_fetch, ax_stage):
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_fetch(doc: dict[str, Any], ax: Any) -> None:
     for name, label, style in (
         ("registry_fetch_s", "EmbeddingReceiver.fetch", "o-"),
         ("zmq_s", "ZMQ PUSH/PULL", "s-"),
@@ -110,7 +121,7 @@ def plot_latency(doc: dict[str, Any], path: str) -> None:
         values, rows = _series(doc, "fetch", name)
         if rows:
             sizes = [float(r["labels"]["size_mb"]) for r in rows]
-            ax_fetch.errorbar(
+            ax.errorbar(
                 sizes,
                 [v * 1e3 for v in values],
                 fmt=style,
@@ -118,38 +129,35 @@ def plot_latency(doc: dict[str, Any], path: str) -> None:
                 capsize=3,
                 yerr=[[0] * len(rows), [(r["stats"]["p99"] - r["value"]) * 1e3 for r in rows]],
             )
-    ax_fetch.set(
+    ax.set(
         title="Fetch to a usable bf16 tensor (bars: p99)",
         xlabel="embedding size (MB)",
         ylabel="ms",
         xscale="log",
         yscale="log",
     )
+
+
+def _plot_staging(doc: dict[str, Any], ax: Any) -> None:
     for pre, marker in (("off", "o"), ("on", "s")):
         for name, label in (("staging_extra_s", "staging (submit - inline submit)"), ("put_s", "ray.put")):
             values, rows = _series(doc, "staging", name, prealloc=pre)
             # A log axis: a difference that noise made zero or negative is left out of the plot.
             points = [(float(r["labels"]["size_mb"]), v * 1e3) for r, v in zip(rows, values, strict=True) if v > 0]
             if points:
-                ax_stage.plot(
+                ax.plot(
                     *zip(*points, strict=True),
                     marker=marker,
                     linestyle="-" if name == "put_s" else "--",
                     label=f"{label}, prealloc {pre}",
                 )
-    ax_stage.set(
+    ax.set(
         title="Staging after the forward pass (p50)",
         xlabel="embedding size (MB)",
         ylabel="ms",
         xscale="log",
         yscale="log",
     )
-    for ax in (ax_fetch, ax_stage):
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def plot_throughput(doc: dict[str, Any], path: str) -> None:

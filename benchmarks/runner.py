@@ -57,7 +57,7 @@ def _import_sections() -> None:
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="the CI smoke run: every figure, few samples (about 1 min)")
+    parser.add_argument("--quick", action="store_true", help="the CI smoke run: every figure, few samples (1-2 minutes)")
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
     parser.add_argument(
         "--sections",
@@ -162,16 +162,9 @@ def run(plan: Plan, sections: tuple[str, ...], progress_bar: bool = True, out_di
             probes = _start_probes(plan, sections)
             cluster.update(start_serve())
             loading.result()
-            from benchmarks import end_to_end, fetch, lifecycle, memory, report, schema, staging
+            from benchmarks import report
 
-            steps = {
-                "fetch": fetch.steps(plan),
-                "staging": staging.steps(plan),
-                "registry": lifecycle.steps(plan),
-                "memory": memory.steps(plan),
-                "e2e": end_to_end.steps(plan),
-            }
-            progress = Progress(3 + sum(steps[s] for s in sections), enabled=progress_bar)
+            progress = Progress(3 + _steps(plan, sections), enabled=progress_bar)
             info = {**machine(), "load_avg_at_start": load_at_start}
             phases.mark("cluster_up")
             progress.step("cluster up")
@@ -179,38 +172,7 @@ def run(plan: Plan, sections: tuple[str, ...], progress_bar: bool = True, out_di
             app = _deploy(ctx, sections)
             phases.mark("deploy")
             progress.step("apps deployed")
-            # Staging first: its cold burst needs object-store pages no section has touched.
-            # Its pre-faulted run comes next; in quick mode it comes last but e2e, and its node
-            # and app are set up meanwhile (mostly waiting; those sections leave CPU spare).
-            prefaulted: staging.Prefaulted | None = None
-
-            def run_prefaulted() -> None:
-                nonlocal prefaulted
-                prefaulted = prefaulted or staging.Prefaulted(ctx)
-                prefaulted.run()
-
-            bodies: dict[str, Callable[[], None]] = {
-                "staging": lambda: staging.run(ctx, app),
-                "fetch": lambda: fetch.run(ctx, app),
-                "registry": lambda: lifecycle.run(ctx, app),
-                "memory": lambda: memory.run(ctx, app),
-                "e2e": lambda: end_to_end.run(ctx),
-                "staging_prealloc": run_prefaulted,
-            }
-            order = [s for s in RUN_ORDER if s in sections]
-            if "staging" in sections:
-                anchor = [s for s in order if s != "e2e"][-1] if plan.prefaulted_setup_overlaps else "staging"
-                order.insert(order.index(anchor) + 1, "staging_prealloc")
-            try:
-                for section in order:
-                    if section == "e2e" and app is not None:
-                        _retire_standin(ctx, app)  # idle actors still cost CPU that the served models would miss
-                    _guarded(errors, phases, section, bodies[section])
-                    if section == "staging" and plan.prefaulted_setup_overlaps:
-                        prefaulted = staging.Prefaulted(ctx)
-            finally:
-                if prefaulted is not None:
-                    prefaulted.close()  # never leave the node running (an error above)
+            _run_sections(ctx, app, sections, errors, phases)
             if out_dir is not None:
                 plotting = _in_thread(report.write_plots, {"figures": results.figures}, out_dir)
         phases.mark("cluster_down")
@@ -219,13 +181,80 @@ def run(plan: Plan, sections: tuple[str, ...], progress_bar: bool = True, out_di
         if progress is not None:
             progress.close()
     info["load_avg_at_end"] = load_average()
-    doc: dict[str, Any] = {
+    doc = _document(plan, sections, results, phases, info, cluster, started, time.perf_counter() - wall)
+    if errors:
+        doc["errors"] = errors
+    if plotting is not None:
+        plotting.result()
+    return doc
+
+
+def _steps(plan: Plan, sections: tuple[str, ...]) -> int:
+    """The progress bar's steps of ``sections``."""
+    from benchmarks import end_to_end, fetch, lifecycle, memory, staging
+
+    steps = {
+        "fetch": fetch.steps(plan),
+        "staging": staging.steps(plan),
+        "registry": lifecycle.steps(plan),
+        "memory": memory.steps(plan),
+        "e2e": end_to_end.steps(plan),
+    }
+    return sum(steps[s] for s in sections)
+
+
+def _run_sections(ctx: Context, app: Any, sections: tuple[str, ...], errors: dict[str, Any], phases: _Phases) -> None:
+    from benchmarks import end_to_end, fetch, lifecycle, memory, staging
+
+    plan = ctx.plan
+    # Staging first: its cold burst needs object-store pages no section has touched.
+    # Its pre-faulted run comes next; in quick mode it comes last but e2e, and its node
+    # and app are set up meanwhile (mostly waiting; those sections leave CPU spare).
+    prefaulted: staging.Prefaulted | None = None
+
+    def run_prefaulted() -> None:
+        nonlocal prefaulted
+        prefaulted = prefaulted or staging.Prefaulted(ctx)
+        prefaulted.run()
+
+    bodies: dict[str, Callable[[], None]] = {
+        "staging": lambda: staging.run(ctx, app),
+        "fetch": lambda: fetch.run(ctx, app),
+        "registry": lambda: lifecycle.run(ctx, app),
+        "memory": lambda: memory.run(ctx, app),
+        "e2e": lambda: end_to_end.run(ctx),
+        "staging_prealloc": run_prefaulted,
+    }
+    order = [s for s in RUN_ORDER if s in sections]
+    if "staging" in sections:
+        anchor = [s for s in order if s != "e2e"][-1] if plan.prefaulted_setup_overlaps else "staging"
+        order.insert(order.index(anchor) + 1, "staging_prealloc")
+    try:
+        for section in order:
+            if section == "e2e" and app is not None:
+                _retire_standin(ctx, app)  # idle actors still cost CPU that the served models would miss
+            _guarded(errors, phases, section, bodies[section])
+            if section == "staging" and plan.prefaulted_setup_overlaps:
+                prefaulted = staging.Prefaulted(ctx)
+    finally:
+        if prefaulted is not None:
+            prefaulted.close()  # never leave the node running (an error above)
+
+
+def _document(
+    plan: Plan, sections: tuple[str, ...], results: Results, phases: _Phases, info: dict[str, Any],
+    cluster: dict[str, Any], started: datetime.datetime, wall_s: float,
+) -> dict[str, Any]:
+    """The results document (``benchmarks.schema``)."""
+    from benchmarks import schema
+
+    return {
         "schema_version": schema.SCHEMA_VERSION,
         "tool": "python -m benchmarks",
         "mode": plan.mode,
         "sections": list(sections),
         "started_at": started.isoformat(timespec="seconds"),
-        "wall_s": time.perf_counter() - wall,
+        "wall_s": wall_s,
         "phases": phases.table,
         "machine": info,
         "cluster": cluster,
@@ -237,11 +266,6 @@ def run(plan: Plan, sections: tuple[str, ...], progress_bar: bool = True, out_di
         "notes": results.notes,
         "files": {"markdown": "results.md", "plots": list(schema.PLOTS)},
     }
-    if errors:
-        doc["errors"] = errors
-    if plotting is not None:
-        plotting.result()
-    return doc
 
 
 def main(argv: list[str] | None = None) -> int:

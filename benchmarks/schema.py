@@ -65,100 +65,119 @@ def expected(plan: Plan, sections: tuple[str, ...] = SECTIONS) -> dict[str, list
     figures: list[str] = []
     ratios: list[str] = []
     targets: list[str] = []
-    if "fetch" in sections:
-        for n in SIZES:
-            lab = {"size_mb": size_label(n)}
-            figures += [
-                figure_id(f"fetch.{name}", lab)
-                for name in (
-                    "registry_fetch_s",
-                    "zmq_s",
-                    "actor_rtt_s",
-                    "memcpy_warm_s",
-                    "memcpy_fresh_s",
-                    "size_bytes",
-                )
-            ]
-            ratios += [figure_id(f"fetch.{name}", lab) for name in ("fetch_vs_rtt_plus_memcpy", "fetch_vs_zmq")]
-            targets += [figure_id("fetch.fetch_vs_rtt_plus_memcpy", lab), figure_id("fetch.bf16_zero_copy", lab)]
-            if n >= 4_700_000:
-                targets.append(figure_id("fetch.fetch_vs_zmq", lab))
-    if "staging" in sections:
-        for pre in ("off", "on"):
-            base = {"prealloc": pre}
-            figures.append(figure_id("staging.submit_s", {**base, "size_mb": size_label(standin.TINY)}))
-            for n in staging.STAGING_SIZES:
-                lab = {**base, "size_mb": size_label(n)}
-                figures += [
-                    figure_id(f"staging.{name}", lab)
-                    for name in ("submit_s", "put_s", "memcpy_warm_s", "memcpy_fresh_s", "staging_extra_s")
-                ]
-                ratios.append(figure_id("staging.staging_vs_put", lab))
-            figures += [
-                figure_id(f"staging.{name}", base)
-                for name in ("staging_s_per_mb", "put_s_per_mb", "memcpy_warm_s_per_mb", "memcpy_fresh_s_per_mb")
-            ]
-            ratios += [
-                figure_id(f"staging.{name}", base) for name in ("staging_per_mb_vs_put", "staging_per_mb_vs_memcpy")
-            ]
-            cold = {**base, "size_mb": size_label(SIZES[1])}
-            figures += [figure_id(f"staging.{name}", cold) for name in ("cold_put_s", "cold_staging_extra_s")]
-            ratios += [figure_id(f"staging.{name}", cold) for name in ("cold_staging_vs_put", "cold_put_vs_warm_put")]
-        targets += [
-            figure_id("staging.staging_per_mb_vs_put", {"prealloc": "off"}),
-            figure_id("staging.copies_before_store", {"prealloc": "off"}),
-        ]
-    if "registry" in sections:
-        for c in plan.lifecycle_concurrency:
-            figures += [
-                figure_id(f"registry.{name}", {"concurrency": c}) for name in ("raw_calls_per_s", "lifecycles_per_s")
-            ]
-        figures += ["registry.registry_calls_per_lifecycle", "registry.fetch_errors"]
-        top = {"concurrency": max(plan.lifecycle_concurrency)}
-        figures += [figure_id("registry.cpu_s_per_raw_call", {**top, "process": p}) for p in lifecycle.RAW_ROLES]
-        figures += [figure_id("registry.cpu_s_per_lifecycle", {**top, "process": p}) for p in lifecycle.LIFECYCLE_ROLES]
-        figures.append(figure_id("registry.serve_calls_per_s", top))
-        ratios += [figure_id(f"registry.{name}", top) for name in ("lifecycles_vs_raw_per_call", "lifecycles_vs_raw_with_serve_call")]
-        targets += [figure_id("registry.lifecycles_vs_raw_per_call", top), "registry.registry_calls_per_lifecycle"]
-    if "memory" in sections:
-        figures.append("memory.input_bytes_per_request")
-        for path in memory.PATHS:
-            lab = {"path": path}
-            figures += [
-                figure_id(f"memory.{name}", lab)
-                for name in (
-                    "staged_bytes",
-                    "peak_store_bytes_above_baseline",
-                    "baseline_store_bytes",
-                    "return_to_baseline_s",
-                    "bytes_left_after_release",
-                )
-            ]
-            ratios += [figure_id(f"memory.{name}", lab) for name in ("peak_per_staged_byte", "extra_peak_per_input_byte")]
-            targets += [figure_id(f"memory.{name}", lab) for name in ("peak_per_staged_byte", "returns_to_baseline")]
-    if "e2e" in sections:
-        for model in end_to_end.MODELS:
-            lab = {"model": model}
-            figures += [figure_id(f"e2e.{name}", lab) for name in ("model_parameters", "replica_torch_threads")]
-            figures += [
-                figure_id(f"e2e.inprocess_{kind}_images_per_s", {**lab, "when": when})
-                for kind in ("forward", "pipeline")
-                for when in ("before", "after", "best")
-            ]
-            for path in end_to_end.PATHS:
-                for c in plan.e2e_concurrency:
-                    lab = {"model": model, "path": path, "concurrency": c}
-                    figures += [figure_id("e2e.images_per_s", lab), figure_id("e2e.latency_s", lab)]
-                lab = {"model": model, "path": path}
-                figures.append(figure_id("e2e.saturated_images_per_s", lab))
-                figures += [figure_id("e2e.cpu_s_per_image", {**lab, "process": p}) for p in end_to_end.ROLES]
-                ratios += [
-                    figure_id("e2e.served_vs_inprocess", lab),
-                    figure_id("e2e.served_vs_inprocess_pipeline", lab),
-                ]
-                if model == "vit_b":
-                    targets.append(figure_id("e2e.served_vs_inprocess", lab))
+    for section, expect in (
+        ("fetch", _expect_fetch),
+        ("staging", _expect_staging),
+        ("registry", _expect_registry),
+        ("memory", _expect_memory),
+        ("e2e", _expect_e2e),
+    ):
+        if section in sections:
+            expect(plan, figures, ratios, targets)
     return {"figures": figures, "ratios": ratios, "targets": targets}
+
+
+def _expect_fetch(plan: Plan, figures: list[str], ratios: list[str], targets: list[str]) -> None:
+    for n in SIZES:
+        lab = {"size_mb": size_label(n)}
+        figures += [
+            figure_id(f"fetch.{name}", lab)
+            for name in (
+                "registry_fetch_s",
+                "zmq_s",
+                "actor_rtt_s",
+                "memcpy_warm_s",
+                "memcpy_fresh_s",
+                "size_bytes",
+            )
+        ]
+        ratios += [figure_id(f"fetch.{name}", lab) for name in ("fetch_vs_rtt_plus_memcpy", "fetch_vs_zmq")]
+        targets += [figure_id("fetch.fetch_vs_rtt_plus_memcpy", lab), figure_id("fetch.bf16_zero_copy", lab)]
+        if n >= 4_700_000:
+            targets.append(figure_id("fetch.fetch_vs_zmq", lab))
+
+
+def _expect_staging(plan: Plan, figures: list[str], ratios: list[str], targets: list[str]) -> None:
+    for pre in ("off", "on"):
+        base = {"prealloc": pre}
+        figures.append(figure_id("staging.submit_s", {**base, "size_mb": size_label(standin.TINY)}))
+        for n in staging.STAGING_SIZES:
+            lab = {**base, "size_mb": size_label(n)}
+            figures += [
+                figure_id(f"staging.{name}", lab)
+                for name in ("submit_s", "put_s", "memcpy_warm_s", "memcpy_fresh_s", "staging_extra_s")
+            ]
+            ratios.append(figure_id("staging.staging_vs_put", lab))
+        figures += [
+            figure_id(f"staging.{name}", base)
+            for name in ("staging_s_per_mb", "put_s_per_mb", "memcpy_warm_s_per_mb", "memcpy_fresh_s_per_mb")
+        ]
+        ratios += [
+            figure_id(f"staging.{name}", base) for name in ("staging_per_mb_vs_put", "staging_per_mb_vs_memcpy")
+        ]
+        cold = {**base, "size_mb": size_label(SIZES[1])}
+        figures += [figure_id(f"staging.{name}", cold) for name in ("cold_put_s", "cold_staging_extra_s")]
+        ratios += [figure_id(f"staging.{name}", cold) for name in ("cold_staging_vs_put", "cold_put_vs_warm_put")]
+    targets += [
+        figure_id("staging.staging_per_mb_vs_put", {"prealloc": "off"}),
+        figure_id("staging.copies_before_store", {"prealloc": "off"}),
+    ]
+
+
+def _expect_registry(plan: Plan, figures: list[str], ratios: list[str], targets: list[str]) -> None:
+    for c in plan.lifecycle_concurrency:
+        figures += [
+            figure_id(f"registry.{name}", {"concurrency": c}) for name in ("raw_calls_per_s", "lifecycles_per_s")
+        ]
+    figures += ["registry.registry_calls_per_lifecycle", "registry.fetch_errors"]
+    top = {"concurrency": max(plan.lifecycle_concurrency)}
+    figures += [figure_id("registry.cpu_s_per_raw_call", {**top, "process": p}) for p in lifecycle.RAW_ROLES]
+    figures += [figure_id("registry.cpu_s_per_lifecycle", {**top, "process": p}) for p in lifecycle.LIFECYCLE_ROLES]
+    figures.append(figure_id("registry.serve_calls_per_s", top))
+    ratios += [figure_id(f"registry.{name}", top) for name in ("lifecycles_vs_raw_per_call", "lifecycles_vs_raw_with_serve_call")]
+    targets += [figure_id("registry.lifecycles_vs_raw_per_call", top), "registry.registry_calls_per_lifecycle"]
+
+
+def _expect_memory(plan: Plan, figures: list[str], ratios: list[str], targets: list[str]) -> None:
+    figures.append("memory.input_bytes_per_request")
+    for path in memory.PATHS:
+        lab = {"path": path}
+        figures += [
+            figure_id(f"memory.{name}", lab)
+            for name in (
+                "staged_bytes",
+                "peak_store_bytes_above_baseline",
+                "baseline_store_bytes",
+                "return_to_baseline_s",
+                "bytes_left_after_release",
+            )
+        ]
+        ratios += [figure_id(f"memory.{name}", lab) for name in ("peak_per_staged_byte", "extra_peak_per_input_byte")]
+        targets += [figure_id(f"memory.{name}", lab) for name in ("peak_per_staged_byte", "returns_to_baseline")]
+
+
+def _expect_e2e(plan: Plan, figures: list[str], ratios: list[str], targets: list[str]) -> None:
+    for model in end_to_end.MODELS:
+        lab = {"model": model}
+        figures += [figure_id(f"e2e.{name}", lab) for name in ("model_parameters", "replica_torch_threads")]
+        figures += [
+            figure_id(f"e2e.inprocess_{kind}_images_per_s", {**lab, "when": when})
+            for kind in ("forward", "pipeline")
+            for when in ("before", "after", "best")
+        ]
+        for path in end_to_end.PATHS:
+            for c in plan.e2e_concurrency:
+                lab = {"model": model, "path": path, "concurrency": c}
+                figures += [figure_id("e2e.images_per_s", lab), figure_id("e2e.latency_s", lab)]
+            lab = {"model": model, "path": path}
+            figures.append(figure_id("e2e.saturated_images_per_s", lab))
+            figures += [figure_id("e2e.cpu_s_per_image", {**lab, "process": p}) for p in end_to_end.ROLES]
+            ratios += [
+                figure_id("e2e.served_vs_inprocess", lab),
+                figure_id("e2e.served_vs_inprocess_pipeline", lab),
+            ]
+            if model == "vit_b":
+                targets.append(figure_id("e2e.served_vs_inprocess", lab))
 
 
 def _finite(value: Any) -> bool:
@@ -187,6 +206,24 @@ def validate(doc: dict[str, Any]) -> list[str]:
             problems.append(f"missing top-level key {key!r}")
     if problems:
         return problems
+    problems += _check_values(doc)
+    try:
+        plan = Plan(**{k: tuple(v) if isinstance(v, list) else v for k, v in doc["plan"].items()})
+    except TypeError as exc:
+        return problems + [f"plan does not match Plan: {exc}"]
+    want = expected(plan, tuple(doc["sections"]))
+    target_ids = {t.get("id") for t in doc["targets"]}
+    problems += [f"missing figure {k}" for k in want["figures"] if k not in doc["figures"]]
+    problems += [f"missing ratio {k}" for k in want["ratios"] if k not in doc["ratios"]]
+    problems += [f"missing target {k}" for k in want["targets"] if k not in target_ids]
+    if doc["summary"].get("targets_total") != len(doc["targets"]):
+        problems.append("summary.targets_total does not count the targets")
+    return problems
+
+
+def _check_values(doc: dict[str, Any]) -> list[str]:
+    """What is wrong with the document's version, machine, figures, ratios and targets."""
+    problems: list[str] = []
     if doc["schema_version"] != SCHEMA_VERSION:
         problems.append(f"schema_version {doc['schema_version']!r} != {SCHEMA_VERSION}")
     problems += [f"machine lacks {k!r}" for k in sorted(MACHINE_KEYS - set(doc["machine"]))]
@@ -218,15 +255,4 @@ def validate(doc: dict[str, Any]) -> list[str]:
             or not _finite(target.get("target"))
         ):
             problems.append(f"target {target.get('id')} is malformed")
-    try:
-        plan = Plan(**{k: tuple(v) if isinstance(v, list) else v for k, v in doc["plan"].items()})
-    except TypeError as exc:
-        return problems + [f"plan does not match Plan: {exc}"]
-    want = expected(plan, tuple(doc["sections"]))
-    target_ids = {t.get("id") for t in doc["targets"]}
-    problems += [f"missing figure {k}" for k in want["figures"] if k not in doc["figures"]]
-    problems += [f"missing ratio {k}" for k in want["ratios"] if k not in doc["ratios"]]
-    problems += [f"missing target {k}" for k in want["targets"] if k not in target_ids]
-    if doc["summary"].get("targets_total") != len(doc["targets"]):
-        problems.append("summary.targets_total does not count the targets")
     return problems
