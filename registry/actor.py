@@ -20,7 +20,6 @@ import asyncio
 import contextvars
 import logging
 import dataclasses
-import math
 import os
 import time
 from collections import Counter as _Count
@@ -28,36 +27,19 @@ from typing import Any
 
 import ray
 
-from registry.errors import InvalidRequest, NotReady, Overloaded, RegistryError, Unavailable
+from registry.errors import InvalidRequest, Overloaded, RegistryError, Unavailable
 from registry.inputs import MediaInput
 from registry.logs import RateLimited, configure_actor_logging, error_fields, get_logger, log_error
 from registry.metrics import RegistryMetrics
-from registry.settings import MAX_WAIT_S, RegistrySettings
+from registry.rank_calls import RankCalls, check_wait
+from registry.settings import RegistrySettings
 from registry.shards import shard_of
-from registry.state import PENDING, RELEASED, STAGED, Entry, FetchResult, Limits, RegistryState, StagedItem, ended_error
+from registry.state import PENDING, RELEASED, STAGED, Entry, Limits, RegistryState, StagedItem, ended_error
 
 logger = get_logger(__name__)
 
-# Most req_ids one ``states`` or ``watch`` call may name.
-MAX_IDS_PER_CALL = 100_000
 # Ray's metrics are scraped every few seconds; the table's gauges are published this often.
 _METRICS_PERIOD_S = 0.5
-# How long report_lost tries to read an object before calling it unreadable (not lost).
-_LOSS_CHECK_TIMEOUT_S = 10.0
-
-
-def _check_wait(value: float, name: str, req_id: str | None) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_WAIT_S or math.isnan(value):
-        raise InvalidRequest(f"{name} must be a number of seconds between 0 and {MAX_WAIT_S:.0f}, got {value!r}", req_id)
-    return float(value)
-
-
-def _checked_ids(req_ids: Any, name: str) -> Any:
-    if not isinstance(req_ids, (list, dict)) or len(req_ids) > MAX_IDS_PER_CALL or not all(
-        isinstance(req_id, str) for req_id in req_ids
-    ):
-        raise InvalidRequest(f"{name} must be a list (or dict) of at most {MAX_IDS_PER_CALL} req_id strings", None)
-    return req_ids
 
 
 def _effective_limits(settings: RegistrySettings) -> Limits:
@@ -68,21 +50,9 @@ def _effective_limits(settings: RegistrySettings) -> Limits:
     return dataclasses.replace(settings.limits, max_staged_bytes=min(settings.limits.max_staged_bytes, cap))
 
 
-async def _any_lost(items: list[StagedItem]) -> bool:
-    """Whether reading ``items`` here finds one gone (a slow or otherwise failing read
-    proves nothing: False)."""
-    try:
-        for item in items:
-            await asyncio.wait_for(item.ref, _LOSS_CHECK_TIMEOUT_S)
-    except ray.exceptions.ObjectLostError:  # OwnerDiedError and reconstruction failures included
-        return True
-    except Exception:  # noqa: BLE001
-        return False
-    return False
-
-
-class EmbeddingRegistry:
-    """Actor class; create it with ``get_or_create_registry``."""
+class EmbeddingRegistry(RankCalls):
+    """Actor class; create it with ``get_or_create_registry``. The calls of decoder ranks
+    (fetch, acknowledge, states, watch, report_lost) are ``registry.rank_calls``'."""
 
     def __init__(self, settings: RegistrySettings):
         configure_actor_logging()
@@ -210,7 +180,7 @@ class EmbeddingRegistry:
     async def describe(self, req_id: str, wait_s: float = 0.0) -> dict[str, Any]:
         """The entry's description; with ``wait_s`` wait up to that long while it is pending."""
         self._check_owned(req_id)
-        deadline = time.monotonic() + _check_wait(wait_s, "wait_s", req_id)
+        deadline = time.monotonic() + check_wait(wait_s, "wait_s", req_id)
         while (remaining := deadline - time.monotonic()) > 0 and not self._decided(req_id):
             await self._wait_change(req_id, remaining)
         try:
@@ -239,162 +209,6 @@ class EmbeddingRegistry:
             logger.info("req_id=%s cancelled by its client", req_id)
         self._changed_now(req_id)
         return entry.describe()
-
-    # --- ranks --------------------------------------------------------------------
-
-    async def fetch(self, req_id: str, rank: int, timeout_s: float) -> list[tuple[dict[str, Any], ray.ObjectRef]]:
-        """Wait until ``req_id`` is staged, count ``rank`` as a receiver, return (meta, ref) per
-        item, where a small item (up to ``registry.inputs.INLINE_MAX_BYTES``) comes as its
-        ``EncodedItem`` in place of the ref.
-
-        The caller becomes a borrower of the refs, so it keeps the bytes alive after
-        the registry releases them.
-        """
-        result = await self._receive(req_id, rank, timeout_s)
-        return [(item.meta, item.ref if item.value is None else item.value) for item in result.items]
-
-    async def fetch_many(
-        self, req_ids: list[str], rank: int, timeout_s: float
-    ) -> dict[str, list[tuple[dict[str, Any], ray.ObjectRef]] | RegistryError]:
-        """``fetch`` of each req_id at once, as ``rank``, for a decoder batch: per req_id its
-        (meta, ref) pairs or its error, each by ``fetch``'s rules, all within ``timeout_s``."""
-        self._check_owned(*_checked_ids(req_ids, "req_ids"))
-        _check_wait(timeout_s, "timeout_s", None)
-        unique = list(dict.fromkeys(req_ids))
-        results = await asyncio.gather(*(self.fetch(req_id, rank, timeout_s) for req_id in unique), return_exceptions=True)
-        answer: dict[str, Any] = {}
-        for req_id, result in zip(unique, results, strict=True):
-            if isinstance(result, BaseException) and not isinstance(result, RegistryError):
-                raise result  # not an answer about this req_id (a cancelled call): the caller's to see
-            answer[req_id] = result
-        return answer
-
-    async def acknowledge(self, req_id: str, rank: int, timeout_s: float = 0.0) -> dict[str, Any]:
-        """Count ``rank`` as a receiver without handing it the items: for a rank that
-        already holds them (a decoder's own cache), so the entry is not kept until its
-        ttl waiting for a fetch that will never come. Same rules and errors as ``fetch``.
-        Returns ``{"req_id", "rank", "released"}``.
-        """
-        result = await self._receive(req_id, rank, timeout_s)
-        return {"req_id": req_id, "rank": rank, "released": result.released}
-
-    async def states(self, req_ids: list[str]) -> dict[str, str]:
-        """The state of each req_id (an entry's, a tombstone's, or ``"unknown"``), in one call."""
-        self._check_owned(*_checked_ids(req_ids, "req_ids"))
-        now = time.time()
-        return {req_id: self._state.state_of(req_id, now) for req_id in req_ids}
-
-    async def watch(self, known: dict[str, str | None], timeout_s: float) -> dict[str, str]:
-        """The req_ids whose state differs from ``known`` (``None``: not known to the caller),
-        with their states: at once if any differs, else as soon as one changes, else ``{}``
-        after ``timeout_s``. A long poll: a scheduler keeps one in flight to keep a local
-        view of many entries current without asking per entry.
-        """
-        self._check_owned(*_checked_ids(known, "known"))
-        deadline = time.monotonic() + _check_wait(timeout_s, "timeout_s", None)
-        wake = asyncio.Event()
-        for req_id in known:
-            self._watchers.setdefault(req_id, set()).add(wake)
-        try:
-            while True:
-                now = time.time()
-                changed = {
-                    req_id: state for req_id, was in known.items() if (state := self._state.state_of(req_id, now)) != was
-                }
-                remaining = deadline - time.monotonic()
-                if changed or remaining <= 0:
-                    return changed
-                wake.clear()
-                try:
-                    await asyncio.wait_for(wake.wait(), remaining)
-                except TimeoutError:
-                    pass
-        finally:
-            for req_id in known:
-                watchers = self._watchers.get(req_id)
-                if watchers is not None:
-                    watchers.discard(wake)
-                    if not watchers:
-                        del self._watchers[req_id]
-
-    async def _receive(self, req_id: str, rank: int, timeout_s: float) -> FetchResult:
-        """Wait until ``req_id`` is staged and count ``rank`` as a receiver (``fetch`` and
-        ``acknowledge``)."""
-        self._ensure_background_tasks()  # its counts are published by them
-        self._check_owned(req_id)
-        started = time.monotonic()
-        deadline = started + _check_wait(timeout_s, "timeout_s", req_id)
-        while True:
-            try:
-                result = self._state.fetch(req_id, rank, time.time())
-            except RegistryError as exc:
-                self._metrics.fetches.inc(tags={"result": exc.code})
-                self._count_error(exc)
-                raise
-            if result is not None:
-                self._metrics.fetches.inc(tags={"result": "released" if result.released else "ok"})
-                logger.debug("req_id=%s rank %d received it%s", req_id, rank, "; released" if result.released else "")
-                if result.released:
-                    self._changed_now(req_id)
-                return result
-            remaining = deadline - time.monotonic()
-            lost_by = self._lost_deadline(req_id, started)
-            if lost_by is not None and time.monotonic() >= lost_by:
-                error = Unavailable(
-                    f"the registry restarted at {self._started_at:.3f} and lost the entries it held; "
-                    f"req_id {req_id} is unknown to it: if it was encoded before then, encode it again",
-                    req_id,
-                    {"registry_started_at": self._started_at},
-                )
-            elif remaining <= 0:
-                error = NotReady(f"req_id {req_id} was not staged within {timeout_s}s", req_id)
-            else:
-                await self._wait_change(req_id, remaining if lost_by is None else min(remaining, lost_by - time.monotonic()))
-                continue
-            self._metrics.fetches.inc(tags={"result": error.code})
-            self._count_error(error)
-            raise error
-
-    def _lost_deadline(self, req_id: str, fetch_started: float) -> float | None:
-        """When a fetch of ``req_id`` begun at ``fetch_started`` should give up as lost:
-        ``restart_grace_s`` later, but only after a restart, only for a req_id the registry
-        does not know, and only while entries from before the restart could still have
-        been alive (their ttl or encode timeout)."""
-        if not self._restarted or self._state.is_live(req_id):
-            return None
-        limits = self._state.limits
-        if time.time() > self._started_at + max(limits.ttl_s, limits.encode_timeout_s):
-            return None
-        try:
-            self._state.get(req_id, time.time())
-            return None  # it ended after the restart: the tombstone answers
-        except RegistryError:
-            pass
-        return fetch_started + self._settings.restart_grace_s
-
-    async def report_lost(self, req_id: str) -> bool:
-        """A rank could not read ``req_id``'s objects: if they are really gone (a node died),
-        end the entry ``failed`` with ``unavailable`` so every other rank is told at once.
-
-        Checked by reading them here, the owner: a rank's own trouble must not end an
-        entry other ranks can still fetch. True if the entry was ended.
-        """
-        self._check_owned(req_id)
-        try:
-            entry = self._state.get(req_id, time.time())
-        except RegistryError:
-            return False
-        if entry.state != STAGED or entry.items is None or not await _any_lost(entry.items):
-            return False
-        error = Unavailable(
-            f"the staged embeddings of req_id {req_id} were lost: the node holding them died; encode it again",
-            req_id,
-        )
-        if not self._state.lose(req_id, error, time.time()):
-            return False
-        self._count_error(error)
-        self._changed_now(req_id)
-        return True
 
     # --- encoding -----------------------------------------------------------------
 

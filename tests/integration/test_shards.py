@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import uuid
 
-import numpy as np
 import pytest
 import ray
 
