@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import ray
 
+from registry.logs import get_logger
 from registry.settings import RegistrySettings, registry_address
 from registry.shards import Shards, find_actor, shard_name
 
-logger = logging.getLogger("ray.serve")
+logger = get_logger(__name__)
 
 
 def get_or_create_shards(settings: RegistrySettings) -> Shards:

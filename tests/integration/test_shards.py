@@ -8,7 +8,8 @@ import uuid
 import pytest
 import ray
 
-from registry import EmbeddingReceiver, RegistryError, lookup_shards
+from deployments import AppConfig
+from registry import EmbeddingReceiver, RegistryError, get_or_create_shards, lookup_shards
 from registry.errors import InvalidRequest
 from support import MODEL_SPEC, image_bytes, image_item, reference_embedding, registry_stats, wait_until
 
@@ -56,6 +57,15 @@ def test_the_app_runs_the_configured_shards_and_stats_sum_over_them(cluster):
     assert held[shards.index(req_id)] == 1 and sum(held) == 1
     assert cluster.http.get("/v1/stats").json()["staged"] == registry_stats()["staged"] == 1
     assert cluster.http.delete(f"/v1/requests/{req_id}").status_code == 200
+
+
+def test_a_redeploy_asking_for_another_shard_count_keeps_the_running_one(cluster):
+    # Which shard holds a req_id follows from the count: changing it under live entries
+    # would strand them, so the count is fixed when the registry is created.
+    settings = AppConfig.model_validate({**cluster.app_args, "registry_shards": 2}).registry_settings("epd")
+    shards = get_or_create_shards(settings)
+    assert len(shards) == 4 and shards.settings.registry_shards == 4
+    assert [h.ping.remote() for h in shards.handles] and len(lookup_shards()) == 4
 
 
 def test_a_call_sent_to_the_wrong_shard_is_refused_and_creates_nothing(cluster):
