@@ -17,8 +17,8 @@ from benchmarks.stats import Results
 
 # The sections, in the report's order; they run staging first (its cold burst needs
 # object-store pages no other section has touched).
-SECTIONS = ("fetch", "staging", "registry", "memory", "e2e")
-RUN_ORDER = ("staging", "fetch", "registry", "memory", "e2e")
+SECTIONS = ("fetch", "staging", "registry", "scale", "memory", "e2e")
+RUN_ORDER = ("staging", "fetch", "registry", "scale", "memory", "e2e")
 # Embedding sizes of the fetch and staging sections (0.5, 4.7 and 19 MB):
 # 64, 576 and 2304 tokens of a 4096-wide bfloat16 embedding.
 SIZES = (64 * 8192, 576 * 8192, 2304 * 8192)
@@ -34,6 +34,8 @@ class Plan:
     raw_calls: int  # no-op calls per concurrency level
     lifecycles: int  # lifecycles per concurrency level
     lifecycle_concurrency: tuple[int, ...]
+    scale_rounds: int  # interleaved rounds of the scale section's fetch_many and quiet fetch
+    scale_batch: int  # requests per fetch_many there
     memory_burst: int  # requests in the memory burst
     e2e_concurrency: tuple[int, ...]
     e2e_window_s: float  # measured window per concurrency level and path (after a warm-up)
@@ -55,6 +57,8 @@ class Plan:
             raw_calls=2000,
             lifecycles=400,
             lifecycle_concurrency=(1, 16, 64),
+            scale_rounds=30,
+            scale_batch=32,
             memory_burst=32,
             e2e_concurrency=(1, 4, 16, 64),
             e2e_window_s=3.5,
@@ -77,6 +81,8 @@ class Plan:
             raw_calls=300,
             lifecycles=40,
             lifecycle_concurrency=(16,),
+            scale_rounds=2,
+            scale_batch=4,
             memory_burst=8,
             e2e_concurrency=(2,),  # also the in-process batch: a quarter of the ViT-B passes of 8
             e2e_window_s=1.0,

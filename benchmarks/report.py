@@ -11,7 +11,7 @@ import os
 from typing import Any
 
 # The report's order, whatever order the sections ran in.
-ORDER = ("fetch", "staging", "registry", "e2e", "memory")
+ORDER = ("fetch", "staging", "registry", "scale", "e2e", "memory")
 CAVEAT = (
     "Measured on a shared machine: absolute times move with whatever else runs (the load average is given "
     "above). Only ratios of figures measured side by side in this run are judged; compare runs by their "

@@ -37,7 +37,9 @@ if TYPE_CHECKING:
 DEFAULT_OUT = os.path.join("benchmarks", "results")
 # Imported in a thread while Ray starts the cluster (torch and Serve take seconds of CPU to
 # import; on 2 cores the cluster's start-up leaves one mostly idle).
-_SECTION_MODULES = ("end_to_end", "fetch", "lifecycle", "memory", "probes", "report", "schema", "staging", "standin")
+_SECTION_MODULES = (
+    "end_to_end", "fetch", "lifecycle", "memory", "probes", "report", "scale_out", "schema", "staging", "standin",
+)
 
 
 def _in_thread(fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
@@ -115,7 +117,7 @@ def _deploy(ctx: Context, sections: tuple[str, ...]) -> standin.StandInApp | Non
 
     from benchmarks import end_to_end, staging, standin
 
-    uses_standin = bool({"fetch", "staging", "registry", "memory"} & set(sections))
+    uses_standin = bool({"fetch", "staging", "registry", "scale", "memory"} & set(sections))
     targets = []
     registry_name = ctx.name("bench_registry")
     if uses_standin:
@@ -191,12 +193,13 @@ def run(plan: Plan, sections: tuple[str, ...], progress_bar: bool = True, out_di
 
 def _steps(plan: Plan, sections: tuple[str, ...]) -> int:
     """The progress bar's steps of ``sections``."""
-    from benchmarks import end_to_end, fetch, lifecycle, memory, staging
+    from benchmarks import end_to_end, fetch, lifecycle, memory, scale_out, staging
 
     steps = {
         "fetch": fetch.steps(plan),
         "staging": staging.steps(plan),
         "registry": lifecycle.steps(plan),
+        "scale": scale_out.steps(plan),
         "memory": memory.steps(plan),
         "e2e": end_to_end.steps(plan),
     }
@@ -204,7 +207,7 @@ def _steps(plan: Plan, sections: tuple[str, ...]) -> int:
 
 
 def _run_sections(ctx: Context, app: Any, sections: tuple[str, ...], errors: dict[str, Any], phases: _Phases) -> None:
-    from benchmarks import end_to_end, fetch, lifecycle, memory, staging
+    from benchmarks import end_to_end, fetch, lifecycle, memory, scale_out, staging
 
     plan = ctx.plan
     # Staging first: its cold burst needs object-store pages no section has touched.
@@ -221,6 +224,7 @@ def _run_sections(ctx: Context, app: Any, sections: tuple[str, ...], errors: dic
         "staging": lambda: staging.run(ctx, app),
         "fetch": lambda: fetch.run(ctx, app),
         "registry": lambda: lifecycle.run(ctx, app),
+        "scale": lambda: scale_out.run(ctx, SIZES),
         "memory": lambda: memory.run(ctx, app),
         "e2e": lambda: end_to_end.run(ctx),
         "staging_prealloc": run_prefaulted,

@@ -52,12 +52,12 @@ ROLES = ("registry", "encoder", "ranks", "driver", "controller", "raylet", "gcs"
 class BatchRank:
     """A decoder rank: fetches with ``EmbeddingReceiver`` on its event loop and times it."""
 
-    def __init__(self, rank: int):
+    def __init__(self, rank: int, sizes: tuple[int, ...] = QUIET_SIZES):
         import numpy as np
 
         self.rank = rank
         self._receiver: Any = None
-        self._buffers: dict[int, tuple[Any, Any]] = {n: (np.ones(n, np.uint8), np.ones(n, np.uint8)) for n in QUIET_SIZES}
+        self._buffers: dict[int, tuple[Any, Any]] = {n: (np.ones(n, np.uint8), np.ones(n, np.uint8)) for n in sizes}
 
     def pid(self) -> int:
         return os.getpid()
@@ -215,13 +215,13 @@ def measure_fetch_many(ranks: list[Any], namespace: str, token: str, batch: int,
             "fetch_async_in_flight_ms_per_request": round(single_ms, 3), "fetch_many_vs_singles": round(many_ms / single_ms, 2)}
 
 
-def measure_quiet_fetch(rank: Any, namespace: str, token: str, rounds: int) -> dict[str, Any]:
+def measure_quiet_fetch(rank: Any, namespace: str, token: str, rounds: int, sizes: tuple[int, ...] = QUIET_SIZES) -> dict[str, Any]:
     name = f"scale_quiet_{token}"
     shards = _registry(name, namespace, 1)
     ray.get(rank.use_registry.remote(name, namespace))
     noop = Noop.remote()
     out: dict[str, Any] = {}
-    for nbytes in QUIET_SIZES:
+    for nbytes in sizes:
         trips, copies, fetches = [], [], []
         for r in range(rounds + 3):
             req_id = uuid.uuid4().hex
@@ -239,6 +239,72 @@ def measure_quiet_fetch(rank: Any, namespace: str, token: str, rounds: int) -> d
     for handle in shards.handles:
         ray.kill(handle)
     return out
+
+
+# --- as a section of ``python -m benchmarks`` ------------------------------------
+
+SECTION = "scale"
+SCALE_CONCURRENCY = 16  # calls in flight per client in the lifecycle rows
+
+
+def configs() -> tuple[tuple[int, int], ...]:
+    """(shards, TP) of each lifecycle row."""
+    return ((1, 1), *((n, RECEIVE_COUNT) for n in SHARD_COUNTS))
+
+
+def steps(plan: Any) -> int:
+    return 3
+
+
+def run(ctx: Any, sizes: tuple[int, ...]) -> None:
+    """The figures above, into the run's results, on the stand-in app the run deployed
+    (its encoder serves ``sizes``); rank actors of its own, ended after."""
+    plan, namespace = ctx.plan, ctx.cluster["namespace"]
+    ranks = [BatchRank.remote(r, sizes) for r in range(RECEIVE_COUNT)]
+    try:
+        ray.get([rank.pid.remote() for rank in ranks])
+        quiet = measure_quiet_fetch(ranks[0], namespace, ctx.token, plan.scale_rounds, sizes)
+        ctx.progress.step("scale: quiet fetch")
+        many = measure_fetch_many(ranks, namespace, ctx.token, plan.scale_batch, plan.scale_rounds)
+        ctx.progress.step("scale: fetch_many")
+        rows = measure_shards(ranks, namespace, ctx.token, plan.lifecycles, SCALE_CONCURRENCY)
+        ctx.progress.step("scale: shards")
+    finally:
+        for rank in ranks:
+            ray.kill(rank)
+    _record(ctx.results, plan, sizes, quiet, many, rows)
+
+
+def _record(results: Any, plan: Any, sizes: tuple[int, ...], quiet: dict, many: dict, rows: dict) -> None:
+    from benchmarks.stats import size_label
+
+    for row in rows.values():
+        labels = {"shards": row["shards"], "tp": row["tp"]}
+        results.add(SECTION, "lifecycles_per_s", row["lifecycles_per_s"], "1/s", labels, n=plan.lifecycles)
+        results.add(SECTION, "fetch_errors", row["fetch_errors"], "calls", labels, n=plan.lifecycles * row["tp"])
+        for role, ms in row["cpu_ms_per_lifecycle"].items():
+            results.add(SECTION, "cpu_s_per_lifecycle", ms / 1e3, "s", {**labels, "process": role}, n=plan.lifecycles)
+    labels = {"shards": many["shards"], "batch": many["batch"]}
+    batched = results.add(SECTION, "fetch_many_s_per_request", many["fetch_many_ms_per_request"] / 1e3, "s", labels)
+    singles = results.add(
+        SECTION, "fetch_in_flight_s_per_request", many["fetch_async_in_flight_ms_per_request"] / 1e3, "s", labels
+    )
+    results.ratio(SECTION, "fetch_many_vs_in_flight", results.value(batched), results.value(singles), [batched, singles],
+                  labels, how="median per request: one fetch_many / the same fetch_async calls in flight")
+    for nbytes, row in zip(sizes, quiet.values(), strict=True):  # measured in this order
+        size = {"size_mb": size_label(nbytes)}
+        keys = [results.add(SECTION, f"quiet_{name}_s", row[f"{name}_ms"] / 1e3, "s", size)
+                for name in ("fetch", "round_trip", "memcpy")]
+        value = results.ratio(
+            SECTION, "quiet_fetch_vs_round_trip_plus_memcpy", row["fetch_ms"], row["round_trip_ms"] + row["memcpy_ms"],
+            keys, size, how="medians, interleaved round by round on a quiet cluster: fetch / (round trip + memcpy)",
+        )
+        results.target(SECTION, "quiet_fetch_vs_round_trip_plus_memcpy", value, "<=", 1.5,
+                       "quiet fetch <= 1.5 x (one actor round trip + one memcpy), measured interleaved", size, keys)
+    results.note(SECTION, (
+        f"stand-in encoder; lifecycles of {plan.lifecycles} at {SCALE_CONCURRENCY} calls in flight per client; "
+        f"{plan.scale_rounds} interleaved rounds for fetch_many (batches of {plan.scale_batch}) and the quiet fetch."
+    ))
 
 
 def main() -> None:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from benchmarks import end_to_end, lifecycle, memory, staging, standin
+from benchmarks import end_to_end, lifecycle, memory, scale_out, staging, standin
 from benchmarks.plan import SECTIONS, SIZES, Plan
 from benchmarks.stats import figure_id, size_label
 
@@ -69,6 +69,7 @@ def expected(plan: Plan, sections: tuple[str, ...] = SECTIONS) -> dict[str, list
         ("fetch", _expect_fetch),
         ("staging", _expect_staging),
         ("registry", _expect_registry),
+        ("scale", _expect_scale),
         ("memory", _expect_memory),
         ("e2e", _expect_e2e),
     ):
@@ -136,6 +137,21 @@ def _expect_registry(plan: Plan, figures: list[str], ratios: list[str], targets:
     figures.append(figure_id("registry.serve_calls_per_s", top))
     ratios += [figure_id(f"registry.{name}", top) for name in ("lifecycles_vs_raw_per_call", "lifecycles_vs_raw_with_serve_call")]
     targets += [figure_id("registry.lifecycles_vs_raw_per_call", top), "registry.registry_calls_per_lifecycle"]
+
+
+def _expect_scale(plan: Plan, figures: list[str], ratios: list[str], targets: list[str]) -> None:
+    for shards, tp in scale_out.configs():
+        lab = {"shards": shards, "tp": tp}
+        figures += [figure_id(f"scale.{name}", lab) for name in ("lifecycles_per_s", "fetch_errors")]
+        figures += [figure_id("scale.cpu_s_per_lifecycle", {**lab, "process": p}) for p in scale_out.ROLES]
+    lab = {"shards": max(scale_out.SHARD_COUNTS), "batch": plan.scale_batch}
+    figures += [figure_id(f"scale.{name}", lab) for name in ("fetch_many_s_per_request", "fetch_in_flight_s_per_request")]
+    ratios.append(figure_id("scale.fetch_many_vs_in_flight", lab))
+    for n in SIZES:
+        lab = {"size_mb": size_label(n)}
+        figures += [figure_id(f"scale.quiet_{name}_s", lab) for name in ("fetch", "round_trip", "memcpy")]
+        ratios.append(figure_id("scale.quiet_fetch_vs_round_trip_plus_memcpy", lab))
+        targets.append(figure_id("scale.quiet_fetch_vs_round_trip_plus_memcpy", lab))
 
 
 def _expect_memory(plan: Plan, figures: list[str], ratios: list[str], targets: list[str]) -> None:

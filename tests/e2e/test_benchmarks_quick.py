@@ -81,11 +81,17 @@ def test_every_figure_of_the_report_is_present_and_numeric(quick_run):
         assert value("memory.peak_store_bytes_above_baseline", path=path) > 0
         assert value("memory.staged_bytes", path=path) > 0
         value("memory.bytes_left_after_release", path=path)
+    for shards, tp in ((1, 1), (1, 4), (2, 4), (4, 4)):  # 6. the scale-out rows
+        assert value("scale.lifecycles_per_s", shards=shards, tp=tp) > 0
+        assert value("scale.cpu_s_per_lifecycle", shards=shards, tp=tp, process="all") > 0
+    assert value("scale.fetch_many_s_per_request", shards=4) > 0
+    for size in SIZES_MB:
+        assert value("scale.quiet_fetch_s", size_mb=size) > 0
     for f in figures.values():  # distributions carry their percentiles and sample counts
         if "stats" in f:
             assert f["stats"]["n"] >= 1 and f["stats"]["p99"] >= f["stats"]["p50"] == f["value"]
     sections = {t["section"] for t in doc["targets"]}
-    assert sections == {"fetch", "staging", "registry", "memory", "e2e"}
+    assert sections == {"fetch", "staging", "registry", "scale", "memory", "e2e"}
     assert all(isinstance(t["met"], bool) and math.isfinite(t["value"]) for t in doc["targets"])
 
 
@@ -98,7 +104,7 @@ def test_markdown_table_and_png_plots_are_written(quick_run):
     target_rows = [
         line
         for line in md.splitlines()
-        if line.startswith(("| fetch |", "| staging |", "| registry |", "| memory |", "| e2e |"))
+        if line.startswith(("| fetch |", "| staging |", "| registry |", "| scale |", "| memory |", "| e2e |"))
     ]
     assert len(target_rows) == len(doc["targets"])
     for name in ("latency_vs_size.png", "throughput_vs_concurrency.png"):
