@@ -9,6 +9,8 @@ in one run, each against baselines measured side by side,
    and memcpy, with and without ``RAY_preallocate_plasma_memory``;
 3. ``registry``: lifecycles per second (submit + 4 fetches + release) vs the raw
    pipelined rate of a no-op async actor, and the registry calls per lifecycle;
+3b. ``scale``: lifecycles/s and CPU per lifecycle for 1, 2 and 4 registry shards,
+   ``fetch_many`` vs the same fetches in flight, and a quiet fetch vs round trip + memcpy;
 4. ``e2e``: images/s through HTTP and the Python handle vs the same model in one
    process, for the tiny model and a ViT-B-sized tower;
 5. ``memory``: peak object-store bytes per staged byte in a burst, and the return
@@ -17,6 +19,6 @@ in one run, each against baselines measured side by side,
 and writes ``results.json`` (schema: ``benchmarks.schema``), ``results.md`` and two
 PNG plots into the output directory (default ``benchmarks/results``). Each section's
 module docstring states what it measures and how. The default mode takes under
-5 minutes on a 2-core machine; ``--quick`` (the CI smoke run) under one
+5 minutes on a 2-core machine; ``--quick`` (the CI smoke run) one to two
 (docs/performance.md says where the time goes).
 """

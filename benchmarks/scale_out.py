@@ -1,4 +1,5 @@
-"""The scale-out figures: ``python -m benchmarks.scale_out``.
+"""The scale-out figures: the ``scale`` section of ``python -m benchmarks`` (``run``), or
+alone on a cluster of its own: ``python -m benchmarks.scale_out``.
 
 On one local cluster with the stand-in encoder (``benchmarks.standin``: 8 KB items,
 free to compute, so the registry and the transport are measured, not a model):
