@@ -23,6 +23,7 @@ import ray
 from registry.errors import Unavailable
 from registry.settings import RegistrySettings, registry_address
 
+
 def shard_of(req_id: str, shards: int) -> int:
     """The shard that holds ``req_id`` among ``shards``."""
     if shards == 1:
