@@ -18,7 +18,7 @@ in one run, each against baselines measured side by side,
 
 and writes ``results.json`` (schema: ``benchmarks.schema``), ``results.md`` and two
 PNG plots into the output directory (default ``benchmarks/results``). Each section's
-module docstring states what it measures and how. The default mode takes under
-5 minutes on a 2-core machine; ``--quick`` (the CI smoke run) one to two
+module docstring states what it measures and how. The default mode takes about
+6 minutes on a 2-core machine; ``--quick`` (the CI smoke run) one to two
 (docs/performance.md says where the time goes).
 """

@@ -1,8 +1,8 @@
 """How much each section measures in the default and the ``--quick`` mode, and the run context.
 
-The default mode is sized to finish in under 5 minutes on a 2-core machine and
+The default mode is sized to finish in about 6 minutes on a 2-core machine and
 the quick mode (a CI smoke test: it checks that every figure is produced, not
-how fast) in about 1 minute: its samples are nearly free, and what is left is
+how fast) in one to two minutes: its samples are nearly free, and what is left is
 starting the processes and the ViT-B forward passes every figure needs. Both produce the same figures; quick takes fewer
 samples, so its percentiles are rough.
 """
