@@ -65,7 +65,8 @@ def test_a_redeploy_asking_for_another_shard_count_keeps_the_running_one(cluster
     settings = AppConfig.model_validate({**cluster.app_args, "registry_shards": 2}).registry_settings("epd")
     shards = get_or_create_shards(settings)
     assert len(shards) == 4 and shards.settings.registry_shards == 4
-    assert [h.ping.remote() for h in shards.handles] and len(lookup_shards()) == 4
+    assert [ping["shard"] for ping in ray.get([h.ping.remote() for h in shards.handles])] == [0, 1, 2, 3]
+    assert len(lookup_shards()) == 4
 
 
 def test_a_call_sent_to_the_wrong_shard_is_refused_and_creates_nothing(cluster):
