@@ -70,16 +70,16 @@ class BatchRank:
 
     async def fetch_all(self, req_ids: list[str], concurrency: int) -> int:
         """Fetch each of ``req_ids`` with ``concurrency`` in flight; the number that failed."""
-        failed = 0
+        failed, pending = 0, iter(req_ids)
 
-        async def one(req_id: str) -> None:
+        async def one() -> None:
             nonlocal failed
             try:
-                await self._receiver.fetch_async(req_id, timeout_s=60.0)
+                await self._receiver.fetch_async(next(pending), timeout_s=60.0)
             except Exception:  # noqa: BLE001 - counted
                 failed += 1
 
-        await pipelined_over(req_ids, one, concurrency)
+        await pipelined(one, len(req_ids), concurrency)
         return failed
 
     async def batch(self, req_ids: list[str]) -> float:
@@ -118,16 +118,6 @@ class BatchRank:
 class Noop:
     def ping(self) -> None:
         return None
-
-
-async def pipelined_over(items: list[str], call: Any, concurrency: int) -> None:
-    pending = iter(items)
-
-    async def worker() -> None:
-        for item in pending:
-            await call(item)
-
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
 
 
 def _registry(name: str, namespace: str, shards: int) -> Any:

@@ -38,8 +38,6 @@ from deployments.schemas import (
 )
 from encoder import MediaError, item_media
 from registry import MediaInput, media_input
-from registry.lookup import get_or_create_registry, get_or_create_shards
-from registry.shards import sum_stats
 from registry.errors import (
     HTTP_STATUS,
     InvalidRequest,
@@ -51,7 +49,9 @@ from registry.errors import (
     unwrap,
 )
 from registry.logs import get_logger, log_error, quiet_client_errors, replica_log_format
+from registry.lookup import get_or_create_registry, get_or_create_shards
 from registry.settings import MAX_WAIT_S, api_token_from_env
+from registry.shards import sum_stats
 
 logger = get_logger(__name__)
 

@@ -63,7 +63,7 @@ def _translate(exc: BaseException, req_id: str) -> BaseException:
         )
     if isinstance(exc, ray_exc.RayActorError):
         return Unavailable(f"the registry actor is not reachable ({type(exc).__name__}); retry shortly", req_id)
-    if isinstance(exc, ray_exc.GetTimeoutError):
+    if isinstance(exc, TimeoutError):  # ray.get's GetTimeoutError, or asyncio.wait_for's
         return NotReady(f"fetching req_id {req_id} timed out", req_id)
     return exc
 
@@ -79,10 +79,6 @@ def _awaitable(refs: Any) -> Any:
     return asyncio.gather(*refs) if isinstance(refs, list) else refs
 
 
-def _timeout_as_not_ready(answer: Any) -> Any:
-    return ray_exc.GetTimeoutError("timed out") if isinstance(answer, TimeoutError) else answer
-
-
 def _refs(pairs: list[tuple[dict[str, Any], Any]]) -> list[ray.ObjectRef]:
     """What is left to read of a fetch's answer: small items came in it, large ones as refs."""
     return [held for _, held in pairs if isinstance(held, ray.ObjectRef)]
@@ -91,13 +87,10 @@ def _refs(pairs: list[tuple[dict[str, Any], Any]]) -> list[ray.ObjectRef]:
 def _items(pairs: list[tuple[dict[str, Any], Any]], read: list[EncodedItem]) -> list[ReceivedItem]:
     """The received items, in order: each pair's item, or the value read for its ref."""
     values = iter(read)
-    items = [
+    return [
         ReceivedItem(tensor=(next(values) if isinstance(held, ray.ObjectRef) else held).tensor(), meta=meta)
         for meta, held in pairs
     ]
-    if next(values, None) is not None:
-        raise RuntimeError("more values read than refs fetched")
-    return items
 
 
 class EmbeddingReceiver:
@@ -243,7 +236,7 @@ class EmbeddingReceiver:
                         answer = await asyncio.wait_for(_awaitable(what), bound)
                     elif kind == "gather":
                         waits = (asyncio.wait_for(_awaitable(refs), bound) for refs in what)
-                        answer = [_timeout_as_not_ready(a) for a in await asyncio.gather(*waits, return_exceptions=True)]
+                        answer = await asyncio.gather(*waits, return_exceptions=True)
                     else:
                         await asyncio.to_thread(self._report_lost, what)
                 except TimeoutError:

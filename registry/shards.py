@@ -73,7 +73,7 @@ class Shards:
 
     def of(self, req_id: str) -> ray.actor.ActorHandle:
         """The handle of the shard that holds ``req_id``."""
-        return self.handles[shard_of(req_id, len(self.handles))]
+        return self.handles[self.index(req_id)]
 
     def group(self, req_ids: Iterable[str]) -> dict[int, list[str]]:
         """``req_ids`` by the shard that holds them, in their order."""
