@@ -25,6 +25,7 @@ live in the config file's ``deployments:`` list, not here.
 
 from __future__ import annotations
 
+import ipaddress
 import urllib.parse
 from typing import Any, Literal
 
@@ -134,6 +135,11 @@ class AppConfig(BaseModel):
     max_item_bytes: int = Field(20 * _MiB, ge=1, description="Largest decoded media item, in bytes.")
     max_request_bytes: int = Field(64 * _MiB, ge=1, description="Largest HTTP request body, in bytes (else 413).")
     model: ModelConfig = Field(default_factory=ModelConfig, description="The vision tower to serve.")
+    push_allowed_networks: list[str] = Field(
+        default_factory=lambda: ["127.0.0.0/8", "::1/128"],
+        description="CIDRs whose addresses a ZMQ receiver may ask the service to push to "
+        "(POST /v1/requests/{req_id}/push); add your decoders' network.",
+    )
     api_token: str | None = Field(
         None,
         min_length=16,
@@ -147,6 +153,7 @@ class AppConfig(BaseModel):
             self.media_policy()  # checks the CIDRs and lists now, not at the first request
         except MediaError as exc:
             raise ValueError(str(exc)) from None
+        self.push_networks()  # likewise
         if self.default_receive_count > self.max_receive_count:
             raise ValueError(
                 f"default_receive_count ({self.default_receive_count}) exceeds max_receive_count "
@@ -164,6 +171,12 @@ class AppConfig(BaseModel):
             fetch_timeout_s=self.fetch_timeout_s,
             max_item_bytes=self.max_item_bytes,
         )
+
+    def push_networks(self) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
+        try:
+            return [ipaddress.ip_network(cidr) for cidr in self.push_allowed_networks]
+        except ValueError as exc:
+            raise ValueError(f"push_allowed_networks: {exc}") from None
 
     def limits(self) -> Limits:
         """The registry's lifecycle limits (``registry.state.Limits``), from these keys."""

@@ -6,10 +6,9 @@ item once in the object store (``registry.inputs``), hand the refs to the
 registry actor (which calls the encoder and owns the results), answer with the
 entry.
 
-Errors: every failure is a ``RegistryError``; HTTP clients get
-``{"error": {"code", "message", "req_id"?}}`` with the status from
-``registry.errors.HTTP_STATUS`` (5xx messages masked); handle callers get the
-exception itself.
+Errors: every failure is a ``RegistryError``; HTTP clients get the error body
+of ``deployments.http_api``; handle callers get the exception itself. The routes
+for decoder ranks outside Ray and the listing are ``deployments.decoder_routes``'.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the route methods'
@@ -17,111 +16,34 @@ exception itself.
 import asyncio
 import hashlib
 import hmac
-import json
 import uuid
 from typing import Any
 
 import ray
-from fastapi import FastAPI, Query, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import Query, Request
 from fastapi.responses import JSONResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from deployments.config import AppConfig
-from deployments.schemas import (
-    EncodeRequest,
-    ErrorResponse,
-    RequestState,
-    describe_validation_error,
-    parse_encode_request,
-)
+from deployments.decoder_routes import DecoderRoutes
+from deployments.http_api import ERROR_RESPONSES, api, as_registry_error, log_once, logger, read_json
+from deployments.schemas import EncodeRequest, RequestState, parse_encode_request
+from deployments.zmq_push import ZmqPusher
 from encoder import MediaError, item_media
 from registry import MediaInput, media_input
-from registry.errors import (
-    HTTP_STATUS,
-    InvalidRequest,
-    PayloadTooLarge,
-    RegistryError,
-    Unauthorized,
-    Unavailable,
-    http_status,
-    unwrap,
-)
-from registry.logs import get_logger, log_error, quiet_client_errors, replica_log_format
+from registry.errors import InvalidRequest, RegistryError, Unauthorized, Unavailable
+from registry.logs import quiet_client_errors, replica_log_format
 from registry.lookup import get_or_create_registry, get_or_create_shards
 from registry.settings import MAX_WAIT_S, api_token_from_env
 from registry.shards import sum_stats
 
-logger = get_logger(__name__)
-
 _HEALTH_TIMEOUT_S = 5.0
 _RETRY_AFTER_S = "1"
 
-api = FastAPI(
-    title="epd-encoder",
-    summary="Encoder service for disaggregated multimodal LLM serving on Ray",
-    version="0.1.0",
-)
-_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorResponse} for status in sorted(set(HTTP_STATUS.values()))
-}
-
-
-def error_response(error: RegistryError) -> JSONResponse:
-    status = http_status(error)
-    headers = {"Retry-After": _RETRY_AFTER_S} if status in (429, 503) else None
-    if status == 401:
-        headers = {"WWW-Authenticate": "Bearer"}
-    return JSONResponse(error.to_dict(mask=status >= 500), status_code=status, headers=headers)
-
-
-def _log_once(error: RegistryError) -> None:
-    """Log what this replica refused or failed itself, once; the registry logged what it raised."""
-    if not getattr(error, "logged", False):
-        log_error(logger, error)
-        error.logged = True
-
-
-@api.exception_handler(RegistryError)
-async def _on_registry_error(_: Request, exc: RegistryError) -> JSONResponse:
-    _log_once(exc)
-    return error_response(exc)
-
-
-@api.exception_handler(RequestValidationError)
-async def _on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-    error = InvalidRequest(describe_validation_error(exc))
-    _log_once(error)
-    return error_response(error)
-
-
-def _as_registry_error(exc: BaseException, req_id: str | None = None) -> BaseException:
-    exc = unwrap(exc)
-    if isinstance(exc, RegistryError):
-        exc.logged = True  # the registry logs every error it raises
-    elif isinstance(exc, ray.exceptions.RayActorError):
-        return Unavailable(f"the registry actor is not reachable ({type(exc).__name__}); retry shortly", req_id)
-    return exc
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing more than ``limit`` bytes before buffering them."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"the request body is {declared} bytes; the limit is {limit} (max_request_bytes)")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"the request body exceeds the limit of {limit} bytes (max_request_bytes)")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 @serve.deployment(name="Ingress", max_ongoing_requests=512, ray_actor_options={"num_cpus": 0.25})
 @serve.ingress(api)
-class Ingress:
+class Ingress(DecoderRoutes):
     def __init__(self, encoder: DeploymentHandle, config: dict[str, Any]):
         quiet_client_errors()
         self._config = AppConfig.model_validate(config)
@@ -129,6 +51,8 @@ class Ingress:
         token = self._config.api_token or api_token_from_env()
         self._token = token.encode() if token else None
         self._encoder = encoder
+        self._push_networks = self._config.push_networks()
+        self._pusher = ZmqPusher()
         # The registry calls the Encoder this replica was bound to (it must own the results).
         self._settings = self._config.registry_settings(encoder.app_name, encoder.deployment_name)
         self._shards = get_or_create_shards(self._settings)
@@ -156,9 +80,9 @@ class Ingress:
         """``method`` of the registry shard that holds ``req_id``."""
         return await self._call_shard(self._shards.index(req_id), method, req_id, *args, req_id=req_id)
 
-    async def _call_all(self, method: str) -> list[Any]:
+    async def _call_all(self, method: str, *args: Any) -> list[Any]:
         """``method`` of every shard, at once."""
-        return await asyncio.gather(*(self._call_shard(i, method) for i in range(len(self._shards))))
+        return await asyncio.gather(*(self._call_shard(i, method, *args) for i in range(len(self._shards))))
 
     async def _call_shard(self, shard: int, method: str, *args: Any, req_id: str | None = None) -> Any:
         ref = None
@@ -179,7 +103,7 @@ class Ingress:
             await self._recreate_shard(shard)
             raise Unavailable("the registry was down and is being recreated; retry shortly", req_id) from None
         except Exception as exc:  # noqa: BLE001 - re-raised as the project's error
-            raise _as_registry_error(exc, req_id) from None
+            raise as_registry_error(exc, req_id) from None
 
     async def _recreate_shard(self, shard: int) -> None:
         try:
@@ -196,7 +120,7 @@ class Ingress:
         try:
             return await self._encode(parse_encode_request(body))
         except RegistryError as exc:
-            _log_once(exc)
+            log_once(exc)
             raise
 
     async def describe(self, req_id: str, wait_s: float = 0.0) -> dict[str, Any]:
@@ -235,23 +159,16 @@ class Ingress:
     @api.post(
         "/v1/encode",
         response_model=RequestState,
-        responses={202: {"model": RequestState, "description": "Accepted, still pending (wait=false)."}, **_ERROR_RESPONSES},
+        responses={202: {"model": RequestState, "description": "Accepted, still pending (wait=false)."}, **ERROR_RESPONSES},
         openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": EncodeRequest.model_json_schema()}}}},
     )
     async def post_encode(self, request: Request) -> JSONResponse:
         """Encode media items and stage their embeddings for `receive_count` TP ranks."""
         self._authorize(request)
-        raw = await _read_body(request, self._config.max_request_bytes)
-        try:
-            body = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
-        except RecursionError:  # the parser's own limit: a body nested thousands deep
-            raise InvalidRequest("the request body is nested too deeply to parse") from None
-        out = await self.encode(body)
+        out = await self.encode(await read_json(request, self._config.max_request_bytes))
         return JSONResponse(out, status_code=202 if out["state"] == "pending" else 200)
 
-    @api.get("/v1/requests/{req_id}", response_model=RequestState, responses=_ERROR_RESPONSES)
+    @api.get("/v1/requests/{req_id}", response_model=RequestState, responses=ERROR_RESPONSES)
     async def get_request(
         self, request: Request, req_id: str, wait_s: float = Query(0.0, ge=0, le=MAX_WAIT_S)
     ) -> dict[str, Any]:
@@ -259,7 +176,7 @@ class Ingress:
         self._authorize(request)
         return await self._call(req_id, "describe", wait_s)
 
-    @api.delete("/v1/requests/{req_id}", response_model=RequestState, responses=_ERROR_RESPONSES)
+    @api.delete("/v1/requests/{req_id}", response_model=RequestState, responses=ERROR_RESPONSES)
     async def delete_request(self, request: Request, req_id: str) -> dict[str, Any]:
         """Cancel a pending or staged request; its embeddings are dropped."""
         self._authorize(request)
@@ -281,6 +198,6 @@ class Ingress:
             # Shard 0's answer, and each shard's process where there are several.
             registry = {**registry[0], "shard_pids": [ping["pid"] for ping in registry]}
         except Exception as exc:  # noqa: BLE001 - any failure means not healthy
-            reason = str(_as_registry_error(exc)) or type(exc).__name__
+            reason = str(as_registry_error(exc)) or type(exc).__name__
             return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
         return JSONResponse({"status": "ok", "encoder": encoder, "registry": registry})

@@ -60,7 +60,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from deployments.config import ProxyConfig
-from deployments.ingress import _read_body, error_response
+from deployments.http_api import error_response, read_body
 from registry.errors import (
     ERRORS_BY_CODE,
     AlreadyReleased,
@@ -344,7 +344,7 @@ class EPDProxy:
         """OpenAI chat completions (streaming or not), with image parts staged for vLLM."""
         chat: ChatRequest | None = None
         try:
-            raw = await _read_body(request, self._config.max_request_bytes)
+            raw = await read_body(request, self._config.max_request_bytes)
             cfg = self._config
             # Threads: parsing, hashing data URIs and serializing a large body block.
             chat = await asyncio.to_thread(parse_chat_request, raw, cfg.vllm_url, cfg.tensor_parallel_size)

@@ -6,13 +6,14 @@ not guessed at, and unknown fields are errors so typos do not pass silently.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, TypeVar, Union
 
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from registry.errors import InvalidRequest
 
+_M = TypeVar("_M", bound=BaseModel)
 REQ_ID_PATTERN = r"^[A-Za-z0-9._:\-]{1,128}$"
 
 
@@ -80,6 +81,42 @@ class RequestState(BaseModel):
     items: list[ItemMeta]
 
 
+class RequestPage(BaseModel):
+    """What ``GET /v1/requests`` returns: entries and tombstones in ``req_id`` order."""
+
+    requests: list[RequestState]
+    next_cursor: str | None = Field(description="Pass as `cursor` for the next page; null on the last page.")
+
+
+class PushRequest(_Strict):
+    """``POST /v1/requests/{req_id}/push``: push the items to a ZMQ receiver (``registry.zmq_receiver``)."""
+
+    rank: int = Field(description="The receiving TP rank, below the request's receive_count.")
+    endpoint: str = Field(description="tcp://<IP>:<port> of the rank's bound PULL socket, inside push_allowed_networks.")
+    timeout_s: float = Field(30.0, description="Seconds to wait while the request is pending.")
+
+
+class PushAnswer(BaseModel):
+    req_id: str
+    rank: int
+    delivery: str = Field(description="Names this push in each frame's header; frames of other deliveries are stale.")
+    items: int = Field(description="How many items were pushed (one two-frame message each).")
+
+
+class AcknowledgeRequest(_Strict):
+    """``POST /v1/requests/{req_id}/acknowledge``: count ``rank`` as having received the items."""
+
+    rank: int = Field(description="The TP rank that holds the items.")
+    transport: Literal["zmq", "http"] = Field("http", description="How the rank got them, for the fetch metrics.")
+    timeout_s: float = Field(0.0, description="Seconds to wait while the request is pending.")
+
+
+class AcknowledgeAnswer(BaseModel):
+    req_id: str
+    rank: int
+    released: bool = Field(description="Whether this rank was the last one and the entry is now released.")
+
+
 class ErrorBody(BaseModel):
     code: str
     message: str
@@ -92,12 +129,18 @@ class ErrorResponse(BaseModel):
 
 def parse_encode_request(body: Any) -> EncodeRequest:
     """Validate a request body (dict from JSON or from a Python caller)."""
+    req_id = body.get("req_id") if isinstance(body, dict) else None
+    return parse_body(EncodeRequest, body, req_id if isinstance(req_id, str) else None)
+
+
+def parse_body(model: type[_M], body: Any, req_id: str | None = None) -> _M:
+    """``body`` (parsed JSON, or a Python caller's dict) as ``model``; else ``invalid_request``."""
     if not isinstance(body, dict):
-        raise InvalidRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+        raise InvalidRequest(f"the request body must be a JSON object, got {type(body).__name__}", req_id)
     try:
-        return EncodeRequest.model_validate(body)
+        return model.model_validate(body)
     except ValidationError as exc:
-        raise InvalidRequest(describe_validation_error(exc), body.get("req_id") if isinstance(body.get("req_id"), str) else None) from None
+        raise InvalidRequest(describe_validation_error(exc), req_id) from None
 
 
 def describe_validation_error(exc: ValidationError | RequestValidationError) -> str:

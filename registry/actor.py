@@ -34,10 +34,23 @@ from registry.metrics import RegistryMetrics
 from registry.rank_calls import RankCalls, check_wait
 from registry.settings import RegistrySettings
 from registry.shards import shard_of
-from registry.state import PENDING, RELEASED, STAGED, Entry, Limits, RegistryState, StagedItem, ended_error
+from registry.state import (
+    LIVE_STATES,
+    PENDING,
+    RELEASED,
+    STAGED,
+    TERMINAL_STATES,
+    Entry,
+    Limits,
+    RegistryState,
+    StagedItem,
+    ended_error,
+)
 
 logger = get_logger(__name__)
 
+# Most entries one ``list_requests`` page holds.
+MAX_LIST_LIMIT = 1000
 # Ray's metrics are scraped every few seconds; the table's gauges are published this often.
 _METRICS_PERIOD_S = 0.5
 
@@ -65,6 +78,7 @@ class EmbeddingRegistry(RankCalls):
         self._submitters: _Count[str] = _Count()  # submit calls waiting, per req_id
         self._watchers: dict[str, set[asyncio.Event]] = {}  # req_id -> the watch calls naming it
         self._encode_tasks: dict[str, asyncio.Task] = {}
+        self._pushes: dict[tuple[str, int], float] = {}  # (req_id, rank) pushed -> when, until acknowledged
         self._timer_wake = asyncio.Event()
         self._timer: asyncio.Task | None = None
         self._publisher: asyncio.Task | None = None
@@ -188,6 +202,16 @@ class EmbeddingRegistry(RankCalls):
         except RegistryError as exc:
             self._count_error(exc)
             raise
+
+    async def list_requests(self, state: str | None, after: str | None, limit: int) -> dict[str, Any]:
+        """Entries and tombstones in ``req_id`` order after ``after`` (of ``state`` if given):
+        ``{"requests": [description, ...], "more": bool}``, at most ``limit`` of them."""
+        if state is not None and state not in (*LIVE_STATES, *TERMINAL_STATES):
+            raise InvalidRequest(f"state must be one of {', '.join((*LIVE_STATES, *TERMINAL_STATES))}, got {state!r}")
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIST_LIMIT:
+            raise InvalidRequest(f"limit must be an integer between 1 and {MAX_LIST_LIMIT}, got {limit!r}")
+        entries, more = self._state.list_entries(state, after, limit, time.time())
+        return {"requests": [entry.describe() for entry in entries], "more": more}
 
     def _decided(self, req_id: str) -> bool:
         """Known and past pending (what ``describe`` waits for)."""

@@ -6,7 +6,8 @@ every 0.5 s while the table changes (``registry.actor``'s publish loop): gauges 
 they are, running totals as counter increments. The per-call counters (requests,
 fetches, errors) are counted in this process and handed to Ray by ``flush`` on the
 same loop: a Ray counter increment costs about as much as the registry's own work
-for a fetch, and Prometheus reads them every few seconds anyway.
+for a fetch, and Prometheus reads them every few seconds anyway. Fetch latencies are
+held and handed over the same way.
 """
 
 from __future__ import annotations
@@ -36,6 +37,26 @@ class _LocalCounter:
             self._counter.inc(value, tags=dict(tags))
 
 
+class _LocalHistogram:
+    """A Ray ``Histogram``'s ``observe``, kept here until ``flush`` (as ``_LocalCounter``);
+    past ``_MAX_HELD`` observations between flushes, the rest are not recorded."""
+
+    _MAX_HELD = 100_000
+
+    def __init__(self, histogram: Histogram):
+        self._histogram = histogram
+        self._held: list[tuple[float, tuple[tuple[str, str], ...]]] = []
+
+    def observe(self, value: float, tags: dict[str, str]) -> None:
+        if len(self._held) < self._MAX_HELD:
+            self._held.append((value, tuple(tags.items())))
+
+    def flush(self) -> None:
+        held, self._held = self._held, []
+        for value, tags in held:
+            self._histogram.observe(value, tags=dict(tags))
+
+
 class RegistryMetrics:
     def __init__(self, registry_name: str, shard: int = 0):
         # Each shard publishes its own series; a dashboard sums them over ``shard``.
@@ -61,7 +82,16 @@ class RegistryMetrics:
         self.pending = gauge("epd_pending_entries", "Entries being encoded.")
         self.staged = gauge("epd_staged_entries", "Entries staged and waiting for ranks.")
         self.staged_bytes = gauge("epd_staged_bytes", "Bytes of staged embeddings held by entries.")
-        self.fetches = local_counter("epd_fetches_total", "Rank fetches by result (ok, released, or an error code).", "result")
+        self.fetches = local_counter(
+            "epd_fetches_total", "Rank fetches by result (ok, released, or an error code) and transport (ray, zmq, http).",
+            "result", "transport",
+        )
+        self.fetch_latency = _LocalHistogram(Histogram(
+            "epd_fetch_latency_s",
+            "Seconds from a rank's fetch (for zmq: its push registration) to its answer (for zmq: the acknowledgement), "
+            "waiting while pending included, by transport.",
+            boundaries=_LATENCY_BOUNDARIES_S, tag_keys=("registry", "shard", "transport"),
+        ).set_default_tags(tags))
         self.ended = counter(
             "epd_entries_ended_total", "Entries that reached a terminal state (released, expired, cancelled, failed).",
             "state",
@@ -77,7 +107,7 @@ class RegistryMetrics:
 
     def flush(self) -> None:
         """Hand the per-call counts made since the last flush to Ray."""
-        for counter in (self.encode_requests, self.fetches, self.errors):
+        for counter in (self.encode_requests, self.fetches, self.errors, self.fetch_latency):
             counter.flush()
 
     def sync(self, stats: dict[str, int]) -> None:

@@ -1,11 +1,12 @@
-"""The registry actor's calls for decoder ranks: fetch (one or many), acknowledge, the
-batched ``states`` query and the ``watch`` long poll, and ``report_lost``.
+"""The registry actor's calls for decoder ranks: fetch (one or many), peek and acknowledge
+(a push outside Ray), the batched ``states`` query and the ``watch`` long poll, and
+``report_lost``.
 
 ``RankCalls`` is a base class of ``registry.actor.EmbeddingRegistry``, kept apart
 because these calls are the decoder's side of the lifecycle: they count ranks and
 release entries, where the rest of the actor accepts, encodes and expires them. It
-uses the actor's state (``_state``, ``_settings``, ``_metrics``, ``_watchers``, the
-restart bookkeeping) and its helpers (``_changed_now``, ``_wait_change``,
+uses the actor's state (``_state``, ``_settings``, ``_metrics``, ``_watchers``, ``_pushes``,
+the restart bookkeeping) and its helpers (``_changed_now``, ``_wait_change``,
 ``_count_error``, ``_check_owned``, ``_ensure_background_tasks``).
 """
 
@@ -27,6 +28,12 @@ logger = get_logger("registry.actor")  # the actor's own lines: one logger for t
 
 # Most req_ids one ``states``, ``watch`` or ``fetch_many`` call may name.
 MAX_IDS_PER_CALL = 100_000
+# How a rank received an entry, as its fetch metrics say: its own Ray call, a ZMQ push it
+# acknowledged, or the Ingress's HTTP pull route.
+TRANSPORTS = ("ray", "zmq", "http")
+# Push registrations remembered for their latency before unacknowledged ones of ended
+# entries are forgotten.
+_MAX_PUSHES_HELD = 10_000
 # How long report_lost tries to read an object before calling it unreadable (not lost).
 _LOSS_CHECK_TIMEOUT_S = 10.0
 
@@ -46,6 +53,17 @@ def _checked_ids(req_ids: Any, name: str) -> Any:
 
 
 
+def _checked_transport(transport: Any, req_id: str | None) -> str:
+    if transport not in TRANSPORTS:
+        raise InvalidRequest(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}", req_id)
+    return transport
+
+
+def _pairs(result: FetchResult) -> list[tuple[dict[str, Any], Any]]:
+    """A fetch's answer: (meta, ref) per item, or (meta, item) for one small enough to ride in it."""
+    return [(item.meta, item.ref if item.value is None else item.value) for item in result.items]
+
+
 async def _any_lost(items: list[StagedItem]) -> bool:
     """Whether reading ``items`` here finds one gone (a slow or otherwise failing read
     proves nothing: False)."""
@@ -60,16 +78,28 @@ async def _any_lost(items: list[StagedItem]) -> bool:
 
 
 class RankCalls:
-    async def fetch(self, req_id: str, rank: int, timeout_s: float) -> list[tuple[dict[str, Any], ray.ObjectRef]]:
+    async def fetch(
+        self, req_id: str, rank: int, timeout_s: float, transport: str = "ray"
+    ) -> list[tuple[dict[str, Any], ray.ObjectRef]]:
         """Wait until ``req_id`` is staged, count ``rank`` as a receiver, return (meta, ref) per
         item, where a small item (up to ``registry.inputs.INLINE_MAX_BYTES``) comes as its
         ``EncodedItem`` in place of the ref.
 
         The caller becomes a borrower of the refs, so it keeps the bytes alive after
-        the registry releases them.
+        the registry released them. ``transport`` labels the fetch's metrics: ``ray``
+        for a rank's own call, ``http`` for the Ingress's pull route.
         """
-        result = await self._receive(req_id, rank, timeout_s)
-        return [(item.meta, item.ref if item.value is None else item.value) for item in result.items]
+        result = await self._receive(req_id, rank, timeout_s, _checked_transport(transport, req_id))
+        return _pairs(result)
+
+    async def peek(self, req_id: str, rank: int, timeout_s: float) -> list[tuple[dict[str, Any], ray.ObjectRef]]:
+        """``fetch`` without counting ``rank``: what the Ingress pushes to a rank outside Ray
+        (ZMQ), which is counted only when its receiver acknowledges receipt
+        (``acknowledge(..., transport="zmq")``), so a push that is lost never counts."""
+        self._pushes.setdefault((req_id, rank), time.monotonic())  # its fetch latency runs from here
+        if len(self._pushes) > _MAX_PUSHES_HELD:  # registrations never acknowledged: forget the dead ones
+            self._pushes = {key: t for key, t in self._pushes.items() if self._state.is_live(key[0])}
+        return _pairs(await self._receive(req_id, rank, timeout_s, "zmq", count=False))
 
     async def fetch_many(
         self, req_ids: list[str], rank: int, timeout_s: float
@@ -87,13 +117,15 @@ class RankCalls:
             answer[req_id] = result
         return answer
 
-    async def acknowledge(self, req_id: str, rank: int, timeout_s: float = 0.0) -> dict[str, Any]:
+    async def acknowledge(self, req_id: str, rank: int, timeout_s: float = 0.0, transport: str = "ray") -> dict[str, Any]:
         """Count ``rank`` as a receiver without handing it the items: for a rank that
-        already holds them (a decoder's own cache), so the entry is not kept until its
-        ttl waiting for a fetch that will never come. Same rules and errors as ``fetch``.
-        Returns ``{"req_id", "rank", "released"}``.
+        already holds them (a decoder's own cache, or a ZMQ push it received: ``transport``
+        ``zmq``), so the entry is not kept until its ttl waiting for a fetch that will never
+        come. Same rules and errors as ``fetch``. Returns ``{"req_id", "rank", "released"}``.
         """
-        result = await self._receive(req_id, rank, timeout_s)
+        transport = _checked_transport(transport, req_id)
+        pushed_at = self._pushes.pop((req_id, rank), None) if transport == "zmq" else None
+        result = await self._receive(req_id, rank, timeout_s, transport, started=pushed_at)
         return {"req_id": req_id, "rank": rank, "released": result.released}
 
     async def states(self, req_ids: list[str]) -> dict[str, str]:
@@ -135,28 +167,34 @@ class RankCalls:
                     if not watchers:
                         del self._watchers[req_id]
 
-    async def _receive(self, req_id: str, rank: int, timeout_s: float) -> FetchResult:
-        """Wait until ``req_id`` is staged and count ``rank`` as a receiver (``fetch`` and
-        ``acknowledge``)."""
+    async def _receive(
+        self, req_id: str, rank: int, timeout_s: float, transport: str, count: bool = True, started: float | None = None
+    ) -> FetchResult:
+        """Wait until ``req_id`` is staged and count ``rank`` as a receiver (``fetch``,
+        ``acknowledge``; ``peek`` with ``count=False``). ``started``: when the fetch began,
+        for its latency, if before this call."""
         self._ensure_background_tasks()  # its counts are published by them
         self._check_owned(req_id)
-        started = time.monotonic()
-        deadline = started + check_wait(timeout_s, "timeout_s", req_id)
+        now = time.monotonic()
+        deadline = now + check_wait(timeout_s, "timeout_s", req_id)
+        started = now if started is None else started
         while True:
             try:
-                result = self._state.fetch(req_id, rank, time.time())
+                result = self._state.fetch(req_id, rank, time.time(), count)
             except RegistryError as exc:
-                self._metrics.fetches.inc(tags={"result": exc.code})
+                self._count_fetch(exc.code, transport, started, count)
                 self._count_error(exc)
                 raise
             if result is not None:
-                self._metrics.fetches.inc(tags={"result": "released" if result.released else "ok"})
-                logger.debug("req_id=%s rank %d received it%s", req_id, rank, "; released" if result.released else "")
+                self._count_fetch("released" if result.released else "ok", transport, started, count)
+                if count:
+                    logger.debug("req_id=%s rank %d received it (%s)%s", req_id, rank, transport,
+                                 "; released" if result.released else "")
                 if result.released:
                     self._changed_now(req_id)
                 return result
             remaining = deadline - time.monotonic()
-            lost_by = self._lost_deadline(req_id, started)
+            lost_by = self._lost_deadline(req_id, now)
             if lost_by is not None and time.monotonic() >= lost_by:
                 error = Unavailable(
                     f"the registry restarted at {self._started_at:.3f} and lost the entries it held; "
@@ -169,9 +207,17 @@ class RankCalls:
             else:
                 await self._wait_change(req_id, remaining if lost_by is None else min(remaining, lost_by - time.monotonic()))
                 continue
-            self._metrics.fetches.inc(tags={"result": error.code})
+            self._count_fetch(error.code, transport, started, count)
             self._count_error(error)
             raise error
+
+    def _count_fetch(self, result: str, transport: str, started: float, counted: bool) -> None:
+        """A fetch's metrics: its result, and its latency once it ended (a push's ends at its
+        acknowledgement; its refusals are results, counted at once)."""
+        if counted or result not in ("ok", "released"):
+            self._metrics.fetches.inc(tags={"result": result, "transport": transport})
+        if counted:
+            self._metrics.fetch_latency.observe(time.monotonic() - started, {"transport": transport})
 
     def _lost_deadline(self, req_id: str, fetch_started: float) -> float | None:
         """When a fetch of ``req_id`` begun at ``fetch_started`` should give up as lost:

@@ -19,31 +19,19 @@ registry released the entry.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import Generator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ray
 from ray import exceptions as ray_exc
 
 from encoder.types import EncodedItem
 from registry.errors import NotReady, RegistryError, Unavailable, unwrap
+from registry.received import ReceivedItem
 from registry.shards import Shards
-
-if TYPE_CHECKING:  # torch loads when the first tensor is made (encoder.types): see its docstring
-    import torch
 
 # Extra seconds on top of the registry's own timeout before giving up on the call.
 _CALL_GRACE_S = 10.0
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ReceivedItem:
-    """One item of a request: its embedding and its metadata (``index``, ``mm_hash``,
-    ``shape``, ``dtype``, ``nbytes`` and model fields such as ``grid``)."""
-
-    tensor: torch.Tensor
-    meta: dict[str, Any]
 
 
 # What reading an object raises when its every copy is gone (its node died) or its

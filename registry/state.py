@@ -42,7 +42,10 @@ Who calls what: the ingress ``accept``s, ``cancel``s and ``describe``s; the
 registry's encode task ``stage``s or ``fail``s; ranks ``fetch`` (and report
 objects they found lost, which the registry checks before calling ``lose``); a rank
 that already holds the bytes acknowledges with the same ``fetch`` and ignores the
-items; schedulers read ``state_of`` for many req_ids at once; a timer calls
+items; a push to a rank outside Ray reads them with ``fetch(count=False)`` and the
+rank is counted by a ``fetch`` when its receiver acknowledges receipt, so a lost
+push never counts; schedulers read ``state_of`` for many req_ids at once, operators
+``list_entries`` page by page; a timer calls
 ``expire_due`` at ``next_deadline``. Time is passed in (``now``, seconds) so tests
 drive the clock. ``fetch`` returning ``None`` means "not yet": the caller waits
 for a change to that ``req_id`` (the actor uses events, never polling).
@@ -289,8 +292,11 @@ class RegistryState:
 
     # --- ranks --------------------------------------------------------------------
 
-    def fetch(self, req_id: str, rank: int, now: float) -> FetchResult | None:
-        """Record ``rank`` as a receiver and return the items; None: not staged yet."""
+    def fetch(self, req_id: str, rank: int, now: float, count: bool = True) -> FetchResult | None:
+        """Record ``rank`` as a receiver and return the items; None: not staged yet.
+
+        ``count=False`` checks and returns the same without recording the rank: for a
+        push that counts only once its receiver acknowledges (then ``fetch`` again)."""
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise InvalidRank(f"rank must be an integer >= 0, got {rank!r}", req_id)
         entry = self._live.get(req_id)
@@ -311,6 +317,8 @@ class RegistryState:
             raise ended_error(entry)
         assert entry.items is not None
         items = entry.items
+        if not count:
+            return FetchResult(items, released=False)
         entry.received.setdefault(rank, now)
         if len(entry.received) < entry.receive_count:
             return FetchResult(items, released=False)
@@ -351,6 +359,15 @@ class RegistryState:
         self._prune(now)
         entry = self._ended.get(req_id)
         return UNKNOWN if entry is None else entry.state
+
+    def list_entries(self, state: str | None, after: str | None, limit: int, now: float) -> tuple[list[Entry], bool]:
+        """Entries and tombstones in ``req_id`` order after ``after``, of ``state`` if given:
+        up to ``limit`` of them, and whether more follow (a page of an operator's listing)."""
+        self._prune(now)
+        rows = itertools.chain(self._live.values(), self._ended.values())
+        chosen = (e for e in rows if (state is None or e.state == state) and (after is None or e.req_id > after))
+        page = heapq.nsmallest(limit + 1, chosen, key=lambda entry: entry.req_id)
+        return page[:limit], len(page) > limit
 
     def stats(self, now: float) -> dict[str, int]:
         self._prune(now)

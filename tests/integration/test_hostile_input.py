@@ -66,6 +66,32 @@ PATHS = [
     ("PUT", "/v1/encode"),
     ("GET", "/v1/encode"),
     ("POST", "/v1/nothing-here"),
+    ("GET", "/v1/requests/x/items"),
+    ("GET", "/v1/requests/x/items?rank=abc"),
+    ("GET", "/v1/requests/x/items?rank=1e400&timeout_s=0"),
+    ("GET", "/v1/requests/x/items?rank=-1&timeout_s=0"),
+    ("GET", "/v1/requests/x/items?rank=0&timeout_s=nan"),
+    ("GET", "/v1/requests/x/items?rank=0&timeout_s=-1"),
+    ("GET", "/v1/requests?limit=abc"),
+    ("GET", "/v1/requests?state=%00"),
+    ("GET", "/v1/requests?cursor=" + "QUFB" * 5_000),
+    ("GET", "/v1/requests?cursor=%ff%fe"),
+]
+DECODER_BODIES = [
+    ("push", b"[" * 100_000),
+    ("push", b"\xff\xfe\x00{"),
+    ("push", b'{"rank": "0", "endpoint": "tcp://127.0.0.1:5555"}'),
+    ("push", b'{"rank": 0, "endpoint": ["tcp://127.0.0.1:5555"]}'),
+    ("push", b'{"rank": 0, "endpoint": "tcp://127.0.0.1:5555", "timeout_s": NaN}'),
+    ("push", b'{"rank": 0, "endpoint": "tcp://127.0.0.1:5555", "extra": 1}'),
+    ("push", b'{"rank": 0, "endpoint": "tcp://127.0.0.1:5555\\u0000"}'),
+    ("push", b'{"rank": 0, "endpoint": "tcp://[::ffff:169.254.169.254]:80"}'),
+    ("push", b'{"rank": 0, "endpoint": "' + b"a" * 100_000 + b'"}'),
+    ("acknowledge", b'{"rank": -1}'),
+    ("acknowledge", b'{"rank": 0, "transport": "ray"}'),
+    ("acknowledge", b'{"rank": 0, "timeout_s": 1e400}'),
+    ("acknowledge", b"null"),
+    ("acknowledge", b"x" * 100_000),
 ]
 
 
@@ -113,3 +139,10 @@ def test_odd_headers_get_a_client_error(cluster):
         merged = {**cluster.headers, **headers}
         response = cluster.http.post("/v1/encode", content=b'{"items": []}', headers=merged)
         assert_client_error(response)
+
+
+@pytest.mark.parametrize("action,raw", DECODER_BODIES, ids=[f"{a}-{i}" for i, (a, _) in enumerate(DECODER_BODIES)])
+def test_odd_bodies_on_the_decoder_routes_are_refused(cluster, action, raw):
+    response = cluster.http.post(f"/v1/requests/x/{action}", content=raw, headers={"content-type": "application/json"})
+    assert_client_error(response)
+    assert response.json()["error"]["code"] in ("invalid_request", "invalid_rank", "payload_too_large")

@@ -81,7 +81,7 @@ def test_raising_the_unwrapped_error_frees_the_frame_s_locals_without_the_collec
 
 
 def test_http_error_response_headers():
-    from deployments.ingress import error_response
+    from deployments.http_api import error_response
 
     overloaded = error_response(errors.Overloaded("queue full", "r"))
     assert overloaded.status_code == 429 and overloaded.headers["Retry-After"] == "1"

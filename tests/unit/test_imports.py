@@ -71,3 +71,13 @@ def test_our_requirements_admit_the_versions_vllm_pins():
         named = {Version(v) for s in both for v in re.findall(r"\d+(?:\.\d+)*", s.version)}
         candidates = named | {Version(f"{v.major}.{v.minor}.{v.micro + 1}") for v in named}
         assert any(both.contains(v) for v in candidates) or not named, f"{name}: ours {ours[name]}, vLLM's {vllm[name]}"
+
+
+def test_the_zmq_receiver_imports_no_ray():
+    # A decoder rank outside the cluster: pyzmq, numpy and torch only.
+    code = (
+        "import sys; from registry.zmq_receiver import ZmqEmbeddingReceiver; import registry; registry.ReceivedItem; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'ray', 'fastapi', 'httpx', 'transformers', 'encoder'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

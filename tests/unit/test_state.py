@@ -291,3 +291,29 @@ def test_state_of_follows_every_state_and_ages_out_to_unknown(state):
     state.expire_due(20.0)
     assert state.state_of("e", 20.0) == "expired"
     assert state.state_of("r", 200.0) == "unknown"  # its tombstone aged out
+
+
+def test_an_uncounted_fetch_returns_the_items_and_leaves_the_rank_uncounted(state):
+    stage_new(state, receive_count=1)
+    peeked = state.fetch("r", 0, 1.0, count=False)
+    assert peeked is not None and not peeked.released and len(peeked.items) == 2
+    assert state.get("r", 1.0).received == {} and state.state_of("r", 1.0) == "staged"
+    with pytest.raises(InvalidRank):
+        state.fetch("r", 1, 1.0, count=False)  # the same checks as a counted fetch
+    assert state.fetch("r", 0, 2.0).released  # the acknowledgement: counted, released
+    with pytest.raises(AlreadyReleased):
+        state.fetch("r", 0, 3.0, count=False)
+
+
+def test_listing_pages_in_req_id_order_over_entries_and_tombstones(state):
+    for req_id in ("c", "a", "e"):
+        stage_new(state, req_id=req_id, receive_count=1)
+    state.accept("b", "d", 1, 0.0)  # pending
+    state.fetch("a", 0, 1.0)  # released: a tombstone
+    page, more = state.list_entries(None, None, 2, 1.0)
+    assert [(e.req_id, e.state) for e in page] == [("a", "released"), ("b", "pending")] and more
+    page, more = state.list_entries(None, "b", 2, 1.0)
+    assert [e.req_id for e in page] == ["c", "e"] and not more
+    page, more = state.list_entries("staged", None, 10, 1.0)
+    assert [e.req_id for e in page] == ["c", "e"] and not more
+    assert state.list_entries("expired", None, 10, 1.0) == ([], False)

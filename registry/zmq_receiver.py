@@ -1,0 +1,158 @@
+"""A TP rank outside Ray receiving its embeddings over ZMQ.
+
+::
+
+    from registry.zmq_receiver import ZmqEmbeddingReceiver
+
+    rx = ZmqEmbeddingReceiver(rank=r, url="http://127.0.0.1:8000", bind="tcp://127.0.0.1:0")
+    items = rx.fetch(req_id, timeout_s=30.0)      # [ReceivedItem(tensor, meta), ...] in item order
+    rx.acknowledge(other_req_id)                  # already held: count this rank, read nothing
+
+Needs pyzmq, numpy and torch; never Ray (the process need not join the cluster).
+``fetch`` registers this rank's bound PULL socket with the service
+(``POST /v1/requests/{req_id}/push``, which waits while the request is pending),
+receives one two-frame message per item (JSON header, raw bytes; see
+``deployments.zmq_push``) and only then acknowledges receipt
+(``POST /v1/requests/{req_id}/acknowledge``), which is when the registry counts
+this rank. A push that does not arrive is registered again until ``timeout_s``;
+it never counted. Tensors are views of the received frames (bfloat16 kept), no
+further copy. Errors are the service's ``registry.errors.RegistryError`` subclasses
+with their codes, as ``EmbeddingReceiver`` raises them.
+
+One ``fetch`` at a time per receiver: it is not thread-safe.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any
+
+import zmq
+
+from registry.errors import ERRORS_BY_CODE, InvalidRequest, NotReady, RegistryError, Unavailable
+from registry.received import ReceivedItem, item_from_buffer
+from registry.settings import MAX_WAIT_S, api_token_from_env
+
+# How long a registered push may go without a message arriving before it is registered again.
+_ARRIVAL_S = 5.0
+# Seconds on top of a call's own wait for the HTTP answer.
+_HTTP_GRACE_S = 10.0
+
+
+def _error_from(status: int, body: bytes, req_id: str) -> RegistryError:
+    """The service's error body as its exception; a body that is not one (a proxy's page) as ``unavailable``."""
+    try:
+        error = json.loads(body)["error"]
+        return ERRORS_BY_CODE[error["code"]](error["message"], error.get("req_id", req_id), error.get("details"))
+    except (ValueError, KeyError, TypeError):
+        return Unavailable(f"the encoder service answered HTTP {status} without an error body", req_id)
+
+
+class ZmqEmbeddingReceiver:
+    """Receives staged embeddings for one TP rank over ZMQ, without Ray.
+
+    ``rank``: this process's rank (below the request's ``receive_count``). ``url``: the
+    encoder service's HTTP address. ``bind``: where this rank's PULL socket listens
+    (port 0: any free one). ``advertise``: this host's IP address for the service to push
+    to (with the bound port), when ``bind`` is a wildcard (``tcp://0.0.0.0:0``). ``api_token``:
+    the service's bearer token (default ``EPD_API_TOKEN``).
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        url: str = "http://127.0.0.1:8000",
+        bind: str = "tcp://127.0.0.1:0",
+        *,
+        advertise: str | None = None,
+        api_token: str | None = None,
+    ):
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"rank must be an integer >= 0, got {rank!r}")
+        self.rank = rank
+        self._url = url.rstrip("/")
+        self._token = api_token or api_token_from_env()
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.PULL)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.bind(bind)
+        bound = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)  # the real port, when bind said 0
+        port = bound.rsplit(":", 1)[1]
+        if advertise is not None:
+            bound = f"tcp://[{advertise}]:{port}" if ":" in advertise else f"tcp://{advertise}:{port}"
+        elif "://0.0.0.0:" in bound or "://[::]:" in bound:
+            self.close()
+            raise ValueError(f"bound to {bound}: pass advertise='<this host's IP address>' for the service to push to")
+        #: Where the service pushes to: ``tcp://<IP>:<port>``.
+        self.endpoint = bound
+
+    def fetch(self, req_id: str, timeout_s: float = 30.0) -> list[ReceivedItem]:
+        """This rank's items of ``req_id``, in order, once staged (waits up to ``timeout_s``);
+        counted as this rank's fetch once they arrived."""
+        if not 0 <= timeout_s <= MAX_WAIT_S:
+            raise InvalidRequest(f"timeout_s must be between 0 and {MAX_WAIT_S:.0f}, got {timeout_s!r}", req_id)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = max(0.0, deadline - time.monotonic())
+            pushed = self._post(req_id, "push", {"rank": self.rank, "endpoint": self.endpoint, "timeout_s": remaining})
+            items = self._collect(req_id, pushed["delivery"], pushed["items"])
+            if items is not None:
+                self._post(req_id, "acknowledge", {"rank": self.rank, "transport": "zmq"})
+                return items
+            if time.monotonic() >= deadline:
+                raise NotReady(
+                    f"the items of req_id {req_id} were pushed to {self.endpoint} but did not arrive within {timeout_s}s; "
+                    "is that address reachable from the encoder service?",
+                    req_id,
+                )
+
+    def acknowledge(self, req_id: str, timeout_s: float = 0.0) -> bool:
+        """Count this rank as a receiver of ``req_id`` without receiving it (it holds the items
+        already). Same rules and errors as ``fetch``. True if this released the entry."""
+        answer = self._post(req_id, "acknowledge", {"rank": self.rank, "transport": "zmq", "timeout_s": timeout_s})
+        return bool(answer["released"])
+
+    def close(self) -> None:
+        self._socket.close()
+        self._context.term()
+
+    def __enter__(self) -> ZmqEmbeddingReceiver:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _collect(self, req_id: str, delivery: str, count: int) -> list[ReceivedItem] | None:
+        """The ``count`` items of ``delivery`` as they arrive; None if ``_ARRIVAL_S`` pass
+        without one. Messages of other deliveries (an earlier attempt's) are dropped."""
+        items: dict[int, ReceivedItem] = {}
+        deadline = time.monotonic() + _ARRIVAL_S
+        while len(items) < count:
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            if remaining_ms <= 0 or not self._socket.poll(remaining_ms, zmq.POLLIN):
+                return None
+            header_frame, data = self._socket.recv_multipart(copy=False)
+            header = json.loads(header_frame.bytes)
+            if header.get("delivery") != delivery or header.get("req_id") != req_id:
+                continue
+            items[header["index"]] = item_from_buffer(data.buffer, header["meta"])
+            deadline = time.monotonic() + _ARRIVAL_S  # still arriving: a large delivery may take a while
+        return [items[i] for i in range(count)]
+
+    def _post(self, req_id: str, action: str, body: dict[str, Any]) -> dict[str, Any]:
+        url = f"{self._url}/v1/requests/{urllib.parse.quote(req_id, safe='')}/{action}"
+        headers = {"Content-Type": "application/json"}
+        if self._token:
+            headers["Authorization"] = f"Bearer {self._token}"
+        request = urllib.request.Request(url, json.dumps(body).encode(), headers, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=body.get("timeout_s", 0.0) + _HTTP_GRACE_S) as answer:
+                return json.loads(answer.read())
+        except urllib.error.HTTPError as exc:
+            raise _error_from(exc.code, exc.read(), req_id) from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise Unavailable(f"the encoder service at {self._url} is not reachable ({exc}); retry shortly", req_id) from None
