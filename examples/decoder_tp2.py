@@ -16,16 +16,12 @@ only: ranks of one request may live in different processes.
 from __future__ import annotations
 
 import argparse
-import base64
 import hashlib
-import io
 import json
-import urllib.request
 
-import numpy as np
 import ray
 import torch
-from PIL import Image
+from demo_request import demo_image, post_encode  # next to this file
 
 
 @ray.remote(num_cpus=0)
@@ -52,25 +48,6 @@ class DecoderRank:
                 for item in items
             ],
         }
-
-
-def post_encode(url: str, image: bytes, receive_count: int) -> dict:
-    body = {
-        "receive_count": receive_count,
-        "items": [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(image).decode()}}],
-    }
-    request = urllib.request.Request(
-        f"{url}/v1/encode", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=60) as response:
-        return json.load(response)
-
-
-def demo_image() -> bytes:
-    pixels = np.random.default_rng(0).integers(0, 256, size=(224, 320, 3), dtype=np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, format="PNG")
-    return out.getvalue()
 
 
 def main() -> None:

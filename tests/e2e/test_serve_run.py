@@ -137,6 +137,23 @@ def test_decoder_example_fetches_on_two_ranks(service):
     assert time.monotonic() - start < 180
 
 
+@pytest.mark.parametrize("example", ["decoder_zmq.py", "decoder_http.py"])
+def test_decoder_examples_outside_ray_fetch_on_two_ranks(service, example):
+    # Plain processes: no Ray address, no token for the cluster; the service's URL only.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    done = subprocess.run(
+        [sys.executable, f"examples/{example}", "--url", URL], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    ranks = {r["rank"]: r["items"] for r in result["ranks"]}
+    assert sorted(ranks) == [0, 1] and ranks[0] == ranks[1]
+    assert ranks[0][0]["shape"] == result["encoded"][0]["shape"] == [88, 256] and ranks[0][0]["dtype"] == "float32"
+    state = httpx.get(f"{URL}/v1/requests/{result['req_id']}", timeout=30).json()
+    assert state["state"] == "released" and state["received_ranks"] == [0, 1]
+
+
 def _serve_cli(*args: str) -> str:
     done = subprocess.run(
         [str(pathlib.Path(sys.executable).parent / "serve"), *args], cwd=ROOT, env=_ray_env(),

@@ -1,0 +1,60 @@
+"""A TP=2 decoder over plain HTTP: two ranks pull one request's embeddings as safetensors.
+
+Run it next to a running service (``serve run serve_config.yaml``), with any
+HTTP client; no Ray, no ZMQ::
+
+    python examples/decoder_http.py --url http://127.0.0.1:8000
+
+It posts one image with ``receive_count: 2``, then each rank pulls
+``GET /v1/requests/{req_id}/items?rank=N`` (which waits while the request is
+pending and counts as that rank's fetch), loads the file with
+``safetensors.torch.load`` and prints what it got as JSON. The entry is released
+after the second pull.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import urllib.request
+
+import safetensors.torch
+import torch
+from demo_request import demo_image, headers, post_encode  # next to this file
+
+
+def prefill(url: str, req_id: str, rank: int) -> dict:
+    request = urllib.request.Request(f"{url}/v1/requests/{req_id}/items?rank={rank}&timeout_s=30", headers=headers())
+    with urllib.request.urlopen(request, timeout=60) as response:
+        body = response.read()
+    tensors = safetensors.torch.load(body)  # {"item_0": tensor, ...}, in the staged dtype
+    # Each item's metadata (mm_hash, shape, model fields) is JSON in the header's __metadata__.
+    header = json.loads(body[8 : 8 + int.from_bytes(body[:8], "little")])["__metadata__"]
+    return {
+        "rank": rank,
+        "items": [
+            {
+                "index": json.loads(header[f"item_{i}"])["index"],
+                "mm_hash": json.loads(header[f"item_{i}"])["mm_hash"],
+                "shape": list(tensors[f"item_{i}"].shape),
+                "dtype": str(tensors[f"item_{i}"].dtype).removeprefix("torch."),
+                "sha256": hashlib.sha256(tensors[f"item_{i}"].view(torch.uint8).numpy().tobytes()).hexdigest(),
+            }
+            for i in range(len(tensors))
+        ],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the epd service")
+    args = parser.parse_args()
+
+    staged = post_encode(args.url, demo_image(), receive_count=2)
+    results = [prefill(args.url, staged["req_id"], rank) for rank in range(2)]
+    print(json.dumps({"req_id": staged["req_id"], "encoded": staged["items"], "ranks": results}))
+
+
+if __name__ == "__main__":
+    main()
