@@ -17,6 +17,8 @@ import torch
 from ray import serve
 
 from deployments import compose_app
+from registry.errors import Unauthorized
+from registry.zmq_receiver import ZmqEmbeddingReceiver
 from support import MODEL_SPEC, deployment_options, image_bytes, image_item, reference_embedding, wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -112,6 +114,21 @@ def test_repeated_registrations_and_acknowledgements_count_once(cluster, zmq_ran
     assert state(cluster, req_id) == ("staged", [0])
     assert zmq_ranks[1]("acknowledge", req_id) == {"released": True}
     assert state(cluster, req_id) == ("released", [0, 1])
+
+
+def test_zmq_ranks_get_the_registry_errors_with_their_codes(cluster, zmq_ranks):
+    req_id = f"out-{uuid.uuid4().hex[:12]}"
+    body = {"req_id": req_id, "receive_count": 1, "items": [image_item(IMAGES[1])]}
+    assert cluster.http.post("/v1/encode", json=body).status_code == 200
+    out_of_range = zmq_ranks[1]("fetch", req_id)
+    assert out_of_range["error"] == "invalid_rank" and "ranks are 0..0" in out_of_range["message"]
+    assert cluster.http.delete(f"/v1/requests/{req_id}").json()["state"] == "cancelled"
+    assert zmq_ranks[0]("fetch", req_id)["error"] == "cancelled"
+    assert zmq_ranks[0]("fetch", f"never-{uuid.uuid4().hex[:8]}", timeout_s=0)["error"] == "not_ready"
+    # The service's token is honoured: a receiver with a wrong one is refused before anything is read.
+    with ZmqEmbeddingReceiver(rank=0, url=cluster.url, api_token="wrong-token-0123456789") as rx:
+        with pytest.raises(Unauthorized):
+            rx.fetch(req_id, timeout_s=0)
 
 
 def test_one_request_mixes_ray_zmq_and_http_ranks(cluster, zmq_ranks):
