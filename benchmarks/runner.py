@@ -224,7 +224,7 @@ def _run_sections(ctx: Context, app: Any, sections: tuple[str, ...], errors: dic
         "staging": lambda: staging.run(ctx, app),
         "fetch": lambda: fetch.run(ctx, app),
         "registry": lambda: lifecycle.run(ctx, app),
-        "scale": lambda: scale_out.run(ctx, SIZES),
+        "scale": lambda: scale_out.run(ctx, SIZES, app.registry_name),
         "memory": lambda: memory.run(ctx, app),
         "e2e": lambda: end_to_end.run(ctx),
         "staging_prealloc": run_prefaulted,

@@ -14,6 +14,8 @@ free to compute, so the registry and the transport are measured, not a model):
   ``fetch_many`` (one registry call per shard) against the same number of
   ``fetch_async`` calls in flight at once, on 4 shards; interleaved, alternating which
   of two ranks does which, per request.
+* **paths**: the same lifecycles through the app's ``Ingress``, over HTTP and through the
+  Python handle, with the CPU of every process (``benchmarks.service_cpu``).
 * **quiet fetch**: a rank's fetch of a freshly staged item of 0.25, 4.7 and 19 MB against
   its no-op actor round trip plus one memcpy of that size, measured round by round on a
   quiet cluster (nothing else in flight), so the baseline is the limit it stands for.
@@ -36,7 +38,7 @@ from typing import Any
 import ray
 from ray import serve
 
-from benchmarks import standin
+from benchmarks import service_cpu, standin
 from benchmarks.cluster import local_cluster, run_token, start_serve
 from benchmarks.cpu import CpuMeter, by_title
 from benchmarks.probes import pipelined
@@ -244,12 +246,13 @@ def configs() -> tuple[tuple[int, int], ...]:
 
 
 def steps(plan: Any) -> int:
-    return 3
+    return 4
 
 
-def run(ctx: Any, sizes: tuple[int, ...]) -> None:
+def run(ctx: Any, sizes: tuple[int, ...], registry_name: str) -> None:
     """The figures above, into the run's results, on the stand-in app the run deployed
-    (its encoder serves ``sizes``); rank actors of its own, ended after."""
+    (its encoder serves ``sizes``; its Ingress's registry is ``registry_name``); rank
+    actors of its own, ended after."""
     plan, namespace = ctx.plan, ctx.cluster["namespace"]
     ranks = [BatchRank.remote(r, sizes) for r in range(RECEIVE_COUNT)]
     try:
@@ -260,10 +263,14 @@ def run(ctx: Any, sizes: tuple[int, ...]) -> None:
         ctx.progress.step("scale: fetch_many")
         rows = measure_shards(ranks, namespace, ctx.token, plan.lifecycles, SCALE_CONCURRENCY)
         ctx.progress.step("scale: shards")
+        paths = service_cpu.measure(ranks, registry_name, namespace, ctx.cluster["http_url"], plan.lifecycles,
+                                    SCALE_CONCURRENCY)
+        ctx.progress.step("scale: HTTP and handle")
     finally:
         for rank in ranks:
             ray.kill(rank)
     _record(ctx.results, plan, sizes, quiet, many, rows)
+    service_cpu.record(ctx.results, SECTION, plan.lifecycles, paths)
 
 
 def _record(results: Any, plan: Any, sizes: tuple[int, ...], quiet: dict, many: dict, rows: dict) -> None:
@@ -308,14 +315,17 @@ def main() -> None:
     token = run_token()
     namespace = f"epd-scale-{token}"
     with local_cluster(namespace):
-        start_serve()
-        serve.run(standin.StandInDeployment.bind(sorted({standin.TINY, *QUIET_SIZES})), name=standin.APP, route_prefix=None)
+        http_url = start_serve()["http_url"]
+        registry_name = f"scale_app_{token}"
+        app = standin.application(sorted({standin.TINY, *QUIET_SIZES}), registry_name, namespace)
+        serve.run(app, name=standin.APP, route_prefix=f"/{standin.APP}")
         ranks = [BatchRank.remote(r) for r in range(RECEIVE_COUNT)]
         ray.get([rank.pid.remote() for rank in ranks])
         report = {
             "quiet_fetch": measure_quiet_fetch(ranks[0], namespace, token, args.rounds),
             "fetch_many": measure_fetch_many(ranks, namespace, token, args.batch, args.rounds),
             "shards": measure_shards(ranks, namespace, token, args.lifecycles, args.concurrency),
+            "paths": service_cpu.measure(ranks, registry_name, namespace, http_url, args.lifecycles, args.concurrency),
             "settings": vars(args),
         }
     print(json.dumps(report, indent=2))

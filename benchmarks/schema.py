@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from benchmarks import end_to_end, lifecycle, memory, scale_out, staging, standin
+from benchmarks import end_to_end, lifecycle, memory, scale_out, service_cpu, staging, standin
 from benchmarks.plan import SECTIONS, SIZES, Plan
 from benchmarks.stats import figure_id, size_label
 
@@ -144,6 +144,11 @@ def _expect_scale(plan: Plan, figures: list[str], ratios: list[str], targets: li
         lab = {"shards": shards, "tp": tp}
         figures += [figure_id(f"scale.{name}", lab) for name in ("lifecycles_per_s", "fetch_errors")]
         figures += [figure_id("scale.cpu_s_per_lifecycle", {**lab, "process": p}) for p in scale_out.ROLES]
+    for path in service_cpu.PATHS:
+        lab = {"path": path, "tp": scale_out.RECEIVE_COUNT}
+        figures += [figure_id(f"scale.{name}", lab) for name in ("path_lifecycles_per_s", "path_fetch_errors")]
+        figures += [figure_id("scale.path_cpu_s_per_lifecycle", {**lab, "process": p}) for p in service_cpu.ROLES]
+        targets += [figure_id("scale.path_cpu_s_per_lifecycle", {**lab, "process": p}) for p in ("service", "registry")]
     lab = {"shards": max(scale_out.SHARD_COUNTS), "batch": plan.scale_batch}
     figures += [figure_id(f"scale.{name}", lab) for name in ("fetch_many_s_per_request", "fetch_in_flight_s_per_request")]
     ratios.append(figure_id("scale.fetch_many_vs_in_flight", lab))

@@ -188,8 +188,8 @@ class RankCalls:
             if result is not None:
                 self._count_fetch("released" if result.released else "ok", transport, started, count)
                 if count:
-                    logger.debug("req_id=%s rank %d received it (%s)%s", req_id, rank, transport,
-                                 "; released" if result.released else "")
+                    how = "" if transport == "ray" else f" over {transport}"
+                    logger.debug("req_id=%s rank %d received it%s%s", req_id, rank, how, "; released" if result.released else "")
                 if result.released:
                     self._changed_now(req_id)
                 return result

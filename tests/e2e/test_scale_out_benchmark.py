@@ -51,3 +51,17 @@ def test_fetch_many_and_the_quiet_fetch_are_measured_against_their_baselines(rep
         assert all(positive(size[k]) for k in ("round_trip_ms", "memcpy_ms", "fetch_ms"))
         assert size["fetch_vs_round_trip_plus_memcpy"] == pytest.approx(
             size["fetch_ms"] / (size["round_trip_ms"] + size["memcpy_ms"]), abs=0.01)
+
+
+@pytest.mark.slow
+def test_lifecycles_through_http_and_the_handle_have_the_cpu_of_each_process(report):
+    paths = report["paths"]
+    assert list(paths) == ["http", "handle"]
+    for path, row in paths.items():
+        assert row["tp"] == 4 and row["fetch_errors"] == 0 and positive(row["lifecycles_per_s"])
+        cpu = row["cpu_ms_per_lifecycle"]
+        # The Ingress and the registry work on every request; Serve's proxy only for HTTP.
+        assert positive(cpu["ingress"]) and positive(cpu["registry"]) and positive(cpu["encoder"]), (path, cpu)
+        assert cpu["service"] == pytest.approx(cpu["all"] - cpu["driver"], abs=0.02)
+        assert cpu["registry"] + cpu["ingress"] <= cpu["all"]
+    assert positive(paths["http"]["cpu_ms_per_lifecycle"]["proxy"])
