@@ -146,9 +146,9 @@ def _expect_scale(plan: Plan, figures: list[str], ratios: list[str], targets: li
         figures += [figure_id("scale.cpu_s_per_lifecycle", {**lab, "process": p}) for p in scale_out.ROLES]
     for path in service_cpu.PATHS:
         lab = {"path": path, "tp": scale_out.RECEIVE_COUNT}
-        figures += [figure_id(f"scale.{name}", lab) for name in ("path_lifecycles_per_s", "path_fetch_errors")]
-        figures += [figure_id("scale.path_cpu_s_per_lifecycle", {**lab, "process": p}) for p in service_cpu.ROLES]
-        targets += [figure_id("scale.path_cpu_s_per_lifecycle", {**lab, "process": p}) for p in ("service", "registry")]
+        figures += [figure_id(f"scale.{name}", lab) for name in ("lifecycles_per_s", "fetch_errors")]
+        figures += [figure_id("scale.cpu_s_per_lifecycle", {**lab, "process": p}) for p in service_cpu.ROLES]
+        targets += [figure_id("scale.cpu_s_per_lifecycle", {**lab, "process": p}) for p in ("service", "registry")]
     lab = {"shards": max(scale_out.SHARD_COUNTS), "batch": plan.scale_batch}
     figures += [figure_id(f"scale.{name}", lab) for name in ("fetch_many_s_per_request", "fetch_in_flight_s_per_request")]
     ratios.append(figure_id("scale.fetch_many_vs_in_flight", lab))
