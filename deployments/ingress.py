@@ -39,7 +39,6 @@ from registry.settings import MAX_WAIT_S, api_token_from_env
 from registry.shards import sum_stats
 
 _HEALTH_TIMEOUT_S = 5.0
-_RETRY_AFTER_S = "1"
 
 @serve.deployment(name="Ingress", max_ongoing_requests=512, ray_actor_options={"num_cpus": 0.25})
 @serve.ingress(api)

@@ -96,10 +96,13 @@ class RankCalls:
         """``fetch`` without counting ``rank``: what the Ingress pushes to a rank outside Ray
         (ZMQ), which is counted only when its receiver acknowledges receipt
         (``acknowledge(..., transport="zmq")``), so a push that is lost never counts."""
-        self._pushes.setdefault((req_id, rank), time.monotonic())  # its fetch latency runs from here
+        started = time.monotonic()  # the rank's fetch latency runs from its first registration
+        result = await self._receive(req_id, rank, timeout_s, "zmq", count=False)
+        # Remembered only once the rank and the entry checked out: a staged entry, a valid rank.
+        self._pushes.setdefault((req_id, rank), started)
         if len(self._pushes) > _MAX_PUSHES_HELD:  # registrations never acknowledged: forget the dead ones
             self._pushes = {key: t for key, t in self._pushes.items() if self._state.is_live(key[0])}
-        return _pairs(await self._receive(req_id, rank, timeout_s, "zmq", count=False))
+        return _pairs(result)
 
     async def fetch_many(
         self, req_ids: list[str], rank: int, timeout_s: float
