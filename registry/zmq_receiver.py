@@ -24,11 +24,10 @@ One ``fetch`` at a time per receiver: it is not thread-safe.
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from typing import Any
 
 import zmq
@@ -75,6 +74,11 @@ class ZmqEmbeddingReceiver:
             raise ValueError(f"rank must be an integer >= 0, got {rank!r}")
         self.rank = rank
         self._url = url.rstrip("/")
+        parts = urllib.parse.urlsplit(self._url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"url must be http(s)://host[:port][/prefix], got {url!r}")
+        self._scheme, self._host, self._port, self._prefix = parts.scheme, parts.hostname, parts.port, parts.path
+        self._http: http.client.HTTPConnection | None = None
         self._token = api_token or api_token_from_env()
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.PULL)
@@ -117,6 +121,8 @@ class ZmqEmbeddingReceiver:
         return bool(answer["released"])
 
     def close(self) -> None:
+        if self._http is not None:
+            self._http.close()
         self._socket.close()
         self._context.term()
 
@@ -135,24 +141,50 @@ class ZmqEmbeddingReceiver:
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             if remaining_ms <= 0 or not self._socket.poll(remaining_ms, zmq.POLLIN):
                 return None
-            header_frame, data = self._socket.recv_multipart(copy=False)
-            header = json.loads(header_frame.bytes)
-            if header.get("delivery") != delivery or header.get("req_id") != req_id:
+            frames = self._socket.recv_multipart(copy=False)
+            # Anything may connect to a bound socket: what is not an item of this delivery is dropped.
+            try:
+                header_frame, data = frames
+                header = json.loads(header_frame.bytes)
+                if header["delivery"] != delivery or header["req_id"] != req_id or header["index"] not in range(count):
+                    continue
+                items[header["index"]] = item_from_buffer(data.buffer, header["meta"])
+            except (ValueError, KeyError, TypeError):
                 continue
-            items[header["index"]] = item_from_buffer(data.buffer, header["meta"])
             deadline = time.monotonic() + _ARRIVAL_S  # still arriving: a large delivery may take a while
         return [items[i] for i in range(count)]
 
     def _post(self, req_id: str, action: str, body: dict[str, Any]) -> dict[str, Any]:
-        url = f"{self._url}/v1/requests/{urllib.parse.quote(req_id, safe='')}/{action}"
+        path = f"{self._prefix}/v1/requests/{urllib.parse.quote(req_id, safe='')}/{action}"
         headers = {"Content-Type": "application/json"}
         if self._token:
             headers["Authorization"] = f"Bearer {self._token}"
-        request = urllib.request.Request(url, json.dumps(body).encode(), headers, method="POST")
-        try:
-            with urllib.request.urlopen(request, timeout=body.get("timeout_s", 0.0) + _HTTP_GRACE_S) as answer:
-                return json.loads(answer.read())
-        except urllib.error.HTTPError as exc:
-            raise _error_from(exc.code, exc.read(), req_id) from None
-        except (urllib.error.URLError, OSError) as exc:
-            raise Unavailable(f"the encoder service at {self._url} is not reachable ({exc}); retry shortly", req_id) from None
+        timeout = body.get("timeout_s", 0.0) + _HTTP_GRACE_S
+        for attempt in range(2):
+            connection = self._connection(timeout)
+            try:
+                connection.request("POST", path, json.dumps(body).encode(), headers)
+                answer = connection.getresponse()
+                data = answer.read()
+                break
+            except (http.client.HTTPException, OSError) as exc:
+                connection.close()
+                self._http = None
+                # A kept-alive connection the server closed meanwhile: once more on a new one
+                # (both calls are safe to repeat: neither counts a rank twice).
+                if attempt == 0 and isinstance(exc, (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)):
+                    continue
+                raise Unavailable(f"the encoder service at {self._url} is not reachable ({exc}); retry shortly", req_id) from None
+        if answer.status >= 400:
+            raise _error_from(answer.status, data, req_id)
+        return json.loads(data)
+
+    def _connection(self, timeout: float) -> http.client.HTTPConnection:
+        """The kept-alive connection to the service (made on first use, or again after a failure)."""
+        if self._http is None:
+            kind = http.client.HTTPSConnection if self._scheme == "https" else http.client.HTTPConnection
+            self._http = kind(self._host, self._port, timeout=timeout)
+        self._http.timeout = timeout
+        if self._http.sock is not None:
+            self._http.sock.settimeout(timeout)
+        return self._http

@@ -112,3 +112,29 @@ def test_a_receiver_bound_to_a_wildcard_advertises_the_address_it_is_given():
         assert rx.endpoint == f"tcp://127.0.0.1:{port}" and port > 0
     with pytest.raises(ValueError, match="advertise"):
         ZmqEmbeddingReceiver(rank=0, bind="tcp://0.0.0.0:0")
+
+
+def test_a_receiver_drops_whatever_is_not_an_item_of_its_delivery():
+    import zmq
+
+    tensor = torch.randn(2, 3).to(torch.bfloat16)
+    meta = {"index": 0, "shape": [2, 3], "dtype": "bfloat16"}
+    with ZmqEmbeddingReceiver(rank=0) as rx:
+        push = zmq.Context.instance().socket(zmq.PUSH)
+        push.connect(rx.endpoint)
+        try:
+            good = json.dumps({"req_id": "r", "delivery": "d", "index": 0, "count": 1, "meta": meta}).encode()
+            for junk in ([b"one frame"], [b"not json", b"x"], [b"[]", b"x"], [good.replace(b'"d"', b'"old"'), b"x"],
+                         [good.replace(b'"index": 0', b'"index": 7'), b"x"], [b"{}", b"x", b"x"]):
+                push.send_multipart(junk)
+            push.send_multipart([good, tensor_to_payload(tensor).tobytes()])
+            items = rx._collect("r", "d", 1)
+        finally:
+            push.close(linger=0)
+    assert items is not None and torch.equal(items[0].tensor, tensor) and items[0].meta == meta
+
+
+@pytest.mark.parametrize("url", ["127.0.0.1:8000", "ftp://host/", "http://"])
+def test_a_receiver_needs_an_http_url(url):
+    with pytest.raises(ValueError, match="url"):
+        ZmqEmbeddingReceiver(rank=0, url=url)
