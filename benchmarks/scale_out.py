@@ -130,7 +130,7 @@ def _registry(name: str, namespace: str, shards: int) -> Any:
     return get_or_create_shards(config.registry_settings(standin.APP))
 
 
-def _submit_all(shards: Any, req_ids: list[str], receive_count: int, concurrency: int, nbytes: int = standin.TINY) -> None:
+def submit_all(shards: Any, req_ids: list[str], receive_count: int, concurrency: int, nbytes: int = standin.TINY) -> None:
     submits = iter(req_ids)
 
     async def submit() -> None:
@@ -141,7 +141,7 @@ def _submit_all(shards: Any, req_ids: list[str], receive_count: int, concurrency
     asyncio.run(pipelined(submit, len(req_ids), concurrency))
 
 
-def _wait_staged(shards: Any, req_ids: list[str]) -> None:
+def wait_staged(shards: Any, req_ids: list[str]) -> None:
     """Until every one is staged: the fetches timed after it wait for nothing."""
     ray.get([shards.of(req_id).describe.remote(req_id, 60.0) for req_id in req_ids])
 
@@ -178,7 +178,7 @@ def _lifecycles(shards: Any, ranks: list[Any], n: int, concurrency: int, classif
     with CpuMeter(classify) as cpu:
         start = time.perf_counter()
         fetching = [rank.fetch_all.remote(req_ids, concurrency) for rank in ranks]
-        _submit_all(shards, req_ids, len(ranks), concurrency)
+        submit_all(shards, req_ids, len(ranks), concurrency)
         failed = sum(ray.get(fetching))
         elapsed = time.perf_counter() - start
     return n / elapsed, cpu, failed
@@ -193,8 +193,8 @@ def measure_fetch_many(ranks: list[Any], namespace: str, token: str, batch: int,
     per_single: list[float] = []
     for r in range(rounds + 1):
         req_ids = [uuid.uuid4().hex for _ in range(batch)]
-        _submit_all(shards, req_ids, 2, batch)
-        _wait_staged(shards, req_ids)
+        submit_all(shards, req_ids, 2, batch)
+        wait_staged(shards, req_ids)
         many, single = (pair[0], pair[1]) if r % 2 else (pair[1], pair[0])
         t_many = ray.get(many.batch.remote(req_ids))  # one after the other: each has the machine
         t_single = ray.get(single.singles.remote(req_ids))
@@ -218,8 +218,8 @@ def measure_quiet_fetch(rank: Any, namespace: str, token: str, rounds: int, size
         trips, copies, fetches = [], [], []
         for r in range(rounds + 3):
             req_id = uuid.uuid4().hex
-            _submit_all(shards, [req_id], 1, 1, nbytes)
-            _wait_staged(shards, [req_id])
+            submit_all(shards, [req_id], 1, 1, nbytes)
+            wait_staged(shards, [req_id])
             trip, copy, fetch = ray.get(rank.round_trip.remote(noop)), ray.get(rank.memcpy.remote(nbytes)), ray.get(rank.fetch.remote(req_id))
             if r >= 3:
                 trips.append(trip)
