@@ -31,10 +31,8 @@ from typing import Any
 import httpx
 import ray
 import safetensors.torch
-from ray import serve
 
 from benchmarks import standin
-from benchmarks.cluster import local_cluster, run_token, start_serve
 from benchmarks.cpu import CpuMeter, by_title
 from benchmarks.scale_out import QUIET_SIZES, BatchRank, Noop, submit_all, wait_staged
 from registry import lookup_shards
@@ -117,14 +115,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20, help="interleaved rounds per size (default 20)")
     parser.add_argument("--cpu-items", type=int, default=20, help="items per path for the Ingress CPU (default 20)")
     args = parser.parse_args()
-    token = run_token()
-    namespace = f"epd-paths-{token}"
-    with local_cluster(namespace):
-        http_url = start_serve()["http_url"]
-        registry_name = f"paths_{token}"
-        serve.run(standin.application(list(QUIET_SIZES), registry_name, namespace), name=standin.APP,
-                  route_prefix=f"/{standin.APP}")
-        report = {"sizes": measure(http_url, registry_name, namespace, args.rounds, args.cpu_items), "settings": vars(args)}
+    with standin.served_alone("paths", QUIET_SIZES) as served:
+        sizes = measure(served["http_url"], served["registry_name"], served["namespace"], args.rounds, args.cpu_items)
+    report = {"sizes": sizes, "settings": vars(args)}
     print(json.dumps(report, indent=2))
 
 

@@ -36,11 +36,9 @@ import uuid
 from typing import Any
 
 import ray
-from ray import serve
 
 from benchmarks import service_cpu, standin
-from benchmarks.cluster import local_cluster, run_token, start_serve
-from benchmarks.cpu import CpuMeter, by_title
+from benchmarks.cpu import by_title
 from benchmarks.probes import pipelined
 from registry import get_or_create_shards, media_input
 
@@ -161,8 +159,11 @@ def measure_shards(ranks: list[Any], namespace: str, token: str, lifecycles: int
             {**{ping["pid"]: "registry" for ping in ray.get([h.ping.remote() for h in shards.handles])},
              **dict.fromkeys(ray.get([rank.pid.remote() for rank in ranks]), "ranks")},
         )
-        _lifecycles(shards, fetchers, max(20, lifecycles // 10), concurrency, classify)  # warm-up
-        rate, cpu, failed = _lifecycles(shards, fetchers, lifecycles, concurrency, classify)
+        def encode(req_ids: list[str]) -> None:
+            submit_all(shards, req_ids, tp, concurrency)
+
+        service_cpu.timed_lifecycles(fetchers, max(20, lifecycles // 10), concurrency, classify, encode)  # warm-up
+        rate, cpu, failed = service_cpu.timed_lifecycles(fetchers, lifecycles, concurrency, classify, encode)
         out[f"{count} shards, TP {tp}"] = {
             "shards": count, "tp": tp, "lifecycles_per_s": round(rate, 1), "fetch_errors": failed,
             "cpu_ms_per_lifecycle": {role: round(cpu.by_role.get(role, 0.0) / lifecycles * 1e3, 2) for role in ROLES},
@@ -170,18 +171,6 @@ def measure_shards(ranks: list[Any], namespace: str, token: str, lifecycles: int
         for handle in shards.handles:
             ray.kill(handle)
     return out
-
-
-def _lifecycles(shards: Any, ranks: list[Any], n: int, concurrency: int, classify: Any) -> tuple[float, CpuMeter, int]:
-    """``n`` lifecycles with ``len(ranks)`` = receive_count; (per second, the CPU meter, failed fetches)."""
-    req_ids = [uuid.uuid4().hex for _ in range(n)]
-    with CpuMeter(classify) as cpu:
-        start = time.perf_counter()
-        fetching = [rank.fetch_all.remote(req_ids, concurrency) for rank in ranks]
-        submit_all(shards, req_ids, len(ranks), concurrency)
-        failed = sum(ray.get(fetching))
-        elapsed = time.perf_counter() - start
-    return n / elapsed, cpu, failed
 
 
 def measure_fetch_many(ranks: list[Any], namespace: str, token: str, batch: int, rounds: int) -> dict[str, Any]:
@@ -312,20 +301,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32, help="requests per fetch_many (default 32)")
     parser.add_argument("--rounds", type=int, default=30, help="rounds of the interleaved figures (default 30)")
     args = parser.parse_args()
-    token = run_token()
-    namespace = f"epd-scale-{token}"
-    with local_cluster(namespace):
-        http_url = start_serve()["http_url"]
-        registry_name = f"scale_app_{token}"
-        app = standin.application(sorted({standin.TINY, *QUIET_SIZES}), registry_name, namespace)
-        serve.run(app, name=standin.APP, route_prefix=f"/{standin.APP}")
+    with standin.served_alone("scale", QUIET_SIZES) as served:
+        namespace, token = served["namespace"], served["token"]
         ranks = [BatchRank.remote(r) for r in range(RECEIVE_COUNT)]
         ray.get([rank.pid.remote() for rank in ranks])
         report = {
             "quiet_fetch": measure_quiet_fetch(ranks[0], namespace, token, args.rounds),
             "fetch_many": measure_fetch_many(ranks, namespace, token, args.batch, args.rounds),
             "shards": measure_shards(ranks, namespace, token, args.lifecycles, args.concurrency),
-            "paths": service_cpu.measure(ranks, registry_name, namespace, http_url, args.lifecycles, args.concurrency),
+            "paths": service_cpu.measure(ranks, served["registry_name"], namespace, served["http_url"], args.lifecycles,
+                                         args.concurrency),
             "settings": vars(args),
         }
     print(json.dumps(report, indent=2))

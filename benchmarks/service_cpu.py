@@ -21,7 +21,7 @@ import base64
 import json
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 import ray
@@ -62,13 +62,16 @@ async def _encode_all(path: str, url: str, bodies: list[dict[str, Any]], concurr
         await pipelined(post, len(bodies), concurrency)
 
 
-def _lifecycles(path: str, url: str, ranks: list[Any], n: int, concurrency: int, classify: Any) -> tuple[float, CpuMeter, int]:
+def timed_lifecycles(
+    ranks: list[Any], n: int, concurrency: int, classify: Any, encode: Callable[[list[str]], None]
+) -> tuple[float, CpuMeter, int]:
+    """``n`` lifecycles: ``encode(req_ids)`` submits them (receive_count = ``len(ranks)``) while
+    every rank fetches each; (lifecycles per second, the CPU meter, failed fetches)."""
     req_ids = [uuid.uuid4().hex for _ in range(n)]
-    bodies = [_body(req_id, len(ranks)) for req_id in req_ids]
     with CpuMeter(classify) as cpu:
         start = time.perf_counter()
         fetching = [rank.fetch_all.remote(req_ids, concurrency) for rank in ranks]
-        asyncio.run(_encode_all(path, url, bodies, concurrency))
+        encode(req_ids)
         failed = sum(ray.get(fetching))
         elapsed = time.perf_counter() - start
     return n / elapsed, cpu, failed
@@ -87,8 +90,11 @@ def measure(ranks: list[Any], registry_name: str, namespace: str, http_url: str,
     url = f"{http_url}/{app}/v1/encode"
     out: dict[str, Any] = {}
     for path in PATHS:
-        _lifecycles(path, url, ranks, max(20, lifecycles // 10), concurrency, classify)  # warm-up
-        rate, cpu, failed = _lifecycles(path, url, ranks, lifecycles, concurrency, classify)
+        def encode(req_ids: list[str], path: str = path) -> None:
+            asyncio.run(_encode_all(path, url, [_body(req_id, len(ranks)) for req_id in req_ids], concurrency))
+
+        timed_lifecycles(ranks, max(20, lifecycles // 10), concurrency, classify, encode)  # warm-up
+        rate, cpu, failed = timed_lifecycles(ranks, lifecycles, concurrency, classify, encode)
         ms = {role: cpu.by_role.get(role, 0.0) / lifecycles * 1e3 for role in ROLES if role != "service"}
         ms["service"] = ms["all"] - ms["driver"]
         out[path] = {"tp": len(ranks), "lifecycles_per_s": round(rate, 1), "fetch_errors": failed,

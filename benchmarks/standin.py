@@ -20,16 +20,18 @@ compared with: ``ray.put`` of the same payload, and memcpys of it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import uuid
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import ray
 import torch
 from ray import serve
 
+from benchmarks.cluster import local_cluster, run_token, start_serve
 from benchmarks.probes import fresh_copy
 from deployments.encoder import Encoder as _EncoderDeployment
 from encoder import EncodedItem, PreparedItem, VisionEncoder
@@ -206,3 +208,17 @@ def deploy_on(resource: str, sizes: list[int], registry_name: str, namespace: st
     )
     ray.get(registry.configure.remote(settings))
     return StandInApp(encoder, registry, registry_name, namespace)
+
+
+@contextlib.contextmanager
+def served_alone(name: str, sizes: Sequence[int]) -> Iterator[dict[str, str]]:
+    """A fresh local cluster serving the stand-in app (Ingress included) under ``/APP``, for a
+    benchmark that runs on its own: yields its ``namespace``, ``token``, ``registry_name``
+    and ``http_url``."""
+    token = run_token()
+    namespace = f"epd-{name}-{token}"
+    with local_cluster(namespace):
+        http_url = start_serve()["http_url"]
+        registry_name = f"{name}_{token}"
+        serve.run(application(list(sizes), registry_name, namespace), name=APP, route_prefix=f"/{APP}")
+        yield {"namespace": namespace, "token": token, "registry_name": registry_name, "http_url": http_url}

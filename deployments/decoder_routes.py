@@ -33,14 +33,13 @@ from deployments.tensor_file import safetensors_bytes
 from deployments.zmq_push import check_endpoint, frames
 from registry.errors import InvalidRequest, Unavailable
 from registry.settings import MAX_WAIT_S
+from registry.state import LIVE_STATES, MAX_LIST_LIMIT, TERMINAL_STATES
 
 # Push and acknowledge bodies are a few fields.
 _SMALL_BODY_BYTES = 64 * 1024
-# Most entries one page of ``GET /v1/requests`` holds (the registry's own bound).
-MAX_PAGE = 1000
 # How long reading staged objects may take here before the call fails.
 _READ_TIMEOUT_S = 60.0
-_STATES = Literal["pending", "staged", "released", "expired", "cancelled", "failed"]
+_STATES = Literal[(*LIVE_STATES, *TERMINAL_STATES)]  # the registry's states, as FastAPI checks a query value
 _SAFETENSORS = {200: {"content": {"application/octet-stream": {}}, "description": "The items as one safetensors file."}}
 
 
@@ -69,7 +68,7 @@ class DecoderRoutes:
         self,
         request: Request,
         state: _STATES | None = Query(None, description="Only entries in this state."),
-        limit: int = Query(100, ge=1, le=MAX_PAGE, description="Most entries on this page."),
+        limit: int = Query(100, ge=1, le=MAX_LIST_LIMIT, description="Most entries on this page."),
         cursor: str | None = Query(None, max_length=256, description="The previous page's next_cursor."),
     ) -> dict[str, Any]:
         """Live entries and tombstones, page by page in req_id order."""

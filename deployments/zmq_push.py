@@ -111,10 +111,3 @@ class ZmqPusher:
                 "there and reachable from the encoder service?",
                 req_id,
             ) from None
-
-    def close(self) -> None:
-        for socket in self._sockets.values():
-            socket.close()
-        self._sockets.clear()
-        if self._context is not None:
-            self._context.term()

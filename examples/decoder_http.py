@@ -15,13 +15,11 @@ after the second pull.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import urllib.request
 
 import safetensors.torch
-import torch
-from demo_request import demo_image, headers, post_encode  # next to this file
+from demo_request import demo_image, headers, post_encode, summary  # next to this file
 
 
 def prefill(url: str, req_id: str, rank: int) -> dict:
@@ -31,18 +29,10 @@ def prefill(url: str, req_id: str, rank: int) -> dict:
     tensors = safetensors.torch.load(body)  # {"item_0": tensor, ...}, in the staged dtype
     # Each item's metadata (mm_hash, shape, model fields) is JSON in the header's __metadata__.
     header = json.loads(body[8 : 8 + int.from_bytes(body[:8], "little")])["__metadata__"]
+    metas = [json.loads(header[f"item_{i}"]) for i in range(len(tensors))]
     return {
         "rank": rank,
-        "items": [
-            {
-                "index": json.loads(header[f"item_{i}"])["index"],
-                "mm_hash": json.loads(header[f"item_{i}"])["mm_hash"],
-                "shape": list(tensors[f"item_{i}"].shape),
-                "dtype": str(tensors[f"item_{i}"].dtype).removeprefix("torch."),
-                "sha256": hashlib.sha256(tensors[f"item_{i}"].view(torch.uint8).numpy().tobytes()).hexdigest(),
-            }
-            for i in range(len(tensors))
-        ],
+        "items": [{**summary(meta["index"], tensors[f"item_{i}"]), "mm_hash": meta["mm_hash"]} for i, meta in enumerate(metas)],
     }
 
 

@@ -38,6 +38,8 @@ class DecoderRank:
         # A real engine would scatter item.tensor into its input embeddings here.
         return {
             "rank": self.receiver.rank,
+            # Inline, not demo_request.summary: this runs in a Ray worker, which cannot import
+            # the files next to this script.
             "items": [
                 {
                     "index": item.meta["index"],

@@ -16,11 +16,9 @@ addresses inside its ``push_allowed_networks`` (default: loopback).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 
-import torch
-from demo_request import demo_image, post_encode  # next to this file
+from demo_request import demo_image, post_encode, summary  # next to this file
 
 from registry.zmq_receiver import ZmqEmbeddingReceiver
 
@@ -30,15 +28,7 @@ def prefill(rx: ZmqEmbeddingReceiver, req_id: str) -> dict:
     # A real engine would scatter item.tensor into its input embeddings here.
     return {
         "rank": rx.rank,
-        "items": [
-            {
-                "index": item.meta["index"],
-                "shape": list(item.tensor.shape),
-                "dtype": str(item.tensor.dtype).removeprefix("torch."),
-                "sha256": hashlib.sha256(item.tensor.view(torch.uint8).numpy().tobytes()).hexdigest(),
-            }
-            for item in items
-        ],
+        "items": [summary(item.meta["index"], item.tensor) for item in items],
     }
 
 

@@ -37,3 +37,17 @@ def demo_image() -> bytes:
     out = io.BytesIO()
     Image.fromarray(pixels).save(out, format="PNG")
     return out.getvalue()
+
+
+def summary(index: int, tensor) -> dict:
+    """What a rank got for one item: its index, shape, dtype and the sha256 of its bytes."""
+    import hashlib
+
+    import torch  # the caller has it: it made the tensor
+
+    return {
+        "index": index,
+        "shape": list(tensor.shape),
+        "dtype": str(tensor.dtype).removeprefix("torch."),
+        "sha256": hashlib.sha256(tensor.view(torch.uint8).numpy().tobytes()).hexdigest(),
+    }

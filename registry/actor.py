@@ -36,6 +36,7 @@ from registry.settings import RegistrySettings
 from registry.shards import shard_of
 from registry.state import (
     LIVE_STATES,
+    MAX_LIST_LIMIT,
     PENDING,
     RELEASED,
     STAGED,
@@ -49,8 +50,6 @@ from registry.state import (
 
 logger = get_logger(__name__)
 
-# Most entries one ``list_requests`` page holds.
-MAX_LIST_LIMIT = 1000
 # Ray's metrics are scraped every few seconds; the table's gauges are published this often.
 _METRICS_PERIOD_S = 0.5
 

@@ -6,8 +6,7 @@ every 0.5 s while the table changes (``registry.actor``'s publish loop): gauges 
 they are, running totals as counter increments. The per-call counters (requests,
 fetches, errors) are counted in this process and handed to Ray by ``flush`` on the
 same loop: a Ray counter increment costs about as much as the registry's own work
-for a fetch, and Prometheus reads them every few seconds anyway. Fetch latencies are
-held and handed over the same way.
+for a fetch, and Prometheus reads them every few seconds anyway.
 """
 
 from __future__ import annotations
@@ -35,26 +34,6 @@ class _LocalCounter:
         counts, self._counts = self._counts, _Count()
         for tags, value in counts.items():
             self._counter.inc(value, tags=dict(tags))
-
-
-class _LocalHistogram:
-    """A Ray ``Histogram``'s ``observe``, kept here until ``flush`` (as ``_LocalCounter``);
-    past ``_MAX_HELD`` observations between flushes, the rest are not recorded."""
-
-    _MAX_HELD = 100_000
-
-    def __init__(self, histogram: Histogram):
-        self._histogram = histogram
-        self._held: list[tuple[float, tuple[tuple[str, str], ...]]] = []
-
-    def observe(self, value: float, tags: dict[str, str]) -> None:
-        if len(self._held) < self._MAX_HELD:
-            self._held.append((value, tuple(tags.items())))
-
-    def flush(self) -> None:
-        held, self._held = self._held, []
-        for value, tags in held:
-            self._histogram.observe(value, tags=dict(tags))
 
 
 class RegistryMetrics:
@@ -86,12 +65,13 @@ class RegistryMetrics:
             "epd_fetches_total", "Rank fetches by result (ok, released, or an error code) and transport (ray, zmq, http).",
             "result", "transport",
         )
-        self.fetch_latency = _LocalHistogram(Histogram(
+        # Observed as each fetch ends, as encode_latency is as each encode ends.
+        self.fetch_latency = Histogram(
             "epd_fetch_latency_s",
             "Seconds from a rank's fetch (for zmq: its push registration) to its answer (for zmq: the acknowledgement), "
             "waiting while pending included, by transport.",
             boundaries=_LATENCY_BOUNDARIES_S, tag_keys=("registry", "shard", "transport"),
-        ).set_default_tags(tags))
+        ).set_default_tags(tags)
         self.ended = counter(
             "epd_entries_ended_total", "Entries that reached a terminal state (released, expired, cancelled, failed).",
             "state",
@@ -107,7 +87,7 @@ class RegistryMetrics:
 
     def flush(self) -> None:
         """Hand the per-call counts made since the last flush to Ray."""
-        for counter in (self.encode_requests, self.fetches, self.errors, self.fetch_latency):
+        for counter in (self.encode_requests, self.fetches, self.errors):
             counter.flush()
 
     def sync(self, stats: dict[str, int]) -> None:

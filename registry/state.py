@@ -81,6 +81,8 @@ PENDING, STAGED, RELEASED, EXPIRED, CANCELLED, FAILED = (
 UNKNOWN = "unknown"
 LIVE_STATES = (PENDING, STAGED)
 TERMINAL_STATES = (RELEASED, EXPIRED, CANCELLED, FAILED)
+# Most entries one page of ``list_entries`` holds (the registry's and the HTTP route's bound).
+MAX_LIST_LIMIT = 1000
 
 _ALLOWED = {
     PENDING: {STAGED, FAILED, CANCELLED, EXPIRED},

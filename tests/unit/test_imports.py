@@ -7,14 +7,19 @@ import sys
 from encoder import FAMILIES
 
 
+def _fresh(code: str, timeout: int = 120) -> str:
+    """What ``code`` prints in a fresh interpreter (this test process has torch, Ray and
+    more loaded by other tests)."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=timeout)
+    return out.stdout.strip()
+
+
 def test_ingress_and_registry_modules_do_not_import_torch():
-    # A fresh interpreter: this test process has torch loaded by other tests.
     code = (
         "import sys, deployments, deployments.ingress, registry, registry.actor, encoder; "
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
-    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    assert _fresh(code) == "[]"
 
 
 def test_a_decoder_rank_importing_the_receiver_does_not_load_serve():
@@ -22,8 +27,7 @@ def test_a_decoder_rank_importing_the_receiver_does_not_load_serve():
         "import sys; from registry import EmbeddingReceiver, lookup_registry; "
         "print(sorted(m for m in ('ray.serve', 'fastapi', 'registry.actor') if m in sys.modules))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
-    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    assert _fresh(code) == "[]"
 
 
 def test_model_parts_still_load_on_first_use():
@@ -46,8 +50,7 @@ def test_the_vllm_connector_loads_no_model_stack_and_no_serve():
         "'transformers.models.qwen2_5_vl.modeling_qwen2_5_vl', 'transformers.models.qwen2_vl.modeling_qwen2_vl', "
         "'transformers.models.clip.modeling_clip', 'transformers.models.siglip.modeling_siglip')))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=180)
-    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr
+    assert _fresh(code, timeout=180).splitlines()[-1] == "[]"  # vLLM logs to stdout before it
 
 
 def test_our_requirements_admit_the_versions_vllm_pins():
@@ -79,5 +82,4 @@ def test_the_zmq_receiver_imports_no_ray():
         "import sys; from registry.zmq_receiver import ZmqEmbeddingReceiver; import registry; registry.ReceivedItem; "
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'ray', 'fastapi', 'httpx', 'transformers', 'encoder'}))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
-    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    assert _fresh(code) == "[]"
