@@ -115,6 +115,16 @@ class AppConfig(BaseModel):
     cache_max_bytes: int = Field(
         512 * _MiB, ge=0, description="Bytes of embeddings the content-hash cache keeps for reuse; 0 turns it off."
     )
+    encoder_call_max_items: int = Field(
+        8, ge=1, le=64,
+        description="Most items the registry sends in one Encoder call: items that reach it together (a busy "
+        "registry's) share a call, each result still its own object. 1: one call per item.",
+    )
+    registry_call_max_requests: int = Field(
+        64, ge=1, le=1024,
+        description="Most wait=false encode requests an Ingress replica hands the registry in one call: those that "
+        "reach it together share a call. 1: one call per request.",
+    )
     max_items_per_request: int = Field(16, ge=1, description="Most media items in one encode request.")
     max_video_frames: int = Field(64, ge=1, description="Most frames in one video item.")
     allowed_media_domains: list[str] = Field(
@@ -204,6 +214,7 @@ class AppConfig(BaseModel):
             max_object_store_fraction=self.max_object_store_fraction,
             encoder_app=encoder_app,
             encoder_deployment=encoder_deployment,
+            encoder_call_max_items=self.encoder_call_max_items,
         )
 
 

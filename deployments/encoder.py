@@ -1,13 +1,15 @@
 """The ``Encoder`` deployment: GPU (or CPU) replicas running the vision tower with dynamic batching.
 
-Each call encodes one item. Decoding and preprocessing run per call, outside the
+``encode`` takes one item; ``encode_many`` takes several and streams each result
+back as its own object as soon as it is ready (the registry sends it the items
+that reach it together, so under load one Serve call carries several). Decoding and preprocessing run per call, outside the
 batch, so a bad image fails alone; ``@serve.batch`` then gathers prepared items
 from all callers into forward passes. Batch size and wait are the deployment's
 ``user_config`` (``BatchConfig``) and can change without a restart.
 
 The result, an ``EncodedItem``, is returned by value: the registry actor is the
-caller, so it owns the resulting object and the staged bytes survive this
-replica's death.
+caller, so it owns the resulting object (each streamed one too) and the staged
+bytes survive this replica's death.
 """
 
 from __future__ import annotations
@@ -15,14 +17,15 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
+import ray
 from ray import serve
 from ray.serve import metrics
 
 from deployments.config import BatchConfig, ModelConfig
 from encoder import EncodedItem, Media, MediaError, PreparedItem, Video
-from registry.errors import InvalidRequest
+from registry.errors import EncodeFailed, InvalidRequest, RegistryError, Unavailable
 from registry.logs import get_logger, quiet_client_errors
 
 if TYPE_CHECKING:
@@ -78,9 +81,43 @@ class Encoder:
     async def encode(self, media: Media, req_id: str | None = None) -> EncodedItem:
         """Embed one media item: an image's raw bytes, or a ``Video`` of frames. ``req_id``
         (the first request that asked for it) only names the item in DEBUG lines."""
+        self._in_progress += 1
+        try:
+            return await self._encode_one(media, req_id)
+        finally:
+            self._in_progress -= 1
+
+    async def encode_many(self, media: list[Any], req_ids: list[str | None]) -> AsyncIterator[EncodedItem | RegistryError]:
+        """Embed several items (each as ``encode`` takes it, or an ``ObjectRef`` of it) at once;
+        a streaming call (``handle.options(stream=True)``) that yields, in item order, each
+        item's ``EncodedItem`` or the ``RegistryError`` that item alone failed with."""
+        if not isinstance(media, list) or not isinstance(req_ids, list) or len(media) != len(req_ids):
+            raise InvalidRequest("encode_many takes a list of media and a list of as many req_ids")
+        self._in_progress += len(media)
+        # All at once, so they share forward passes with each other and with other callers.
+        tasks = [asyncio.ensure_future(self._encode_ref(item, req_id)) for item, req_id in zip(media, req_ids)]
+        try:
+            for task in tasks:
+                yield await _outcome(task)
+        finally:
+            for task in tasks:
+                task.cancel()  # the caller went away: stop what has not run yet
+            self._in_progress -= len(media)
+
+    async def _encode_ref(self, media: Any, req_id: str | None) -> EncodedItem:
+        if isinstance(media, ray.ObjectRef):  # inside a list, Ray hands the ref over unresolved
+            try:
+                media = await media
+            except ray.exceptions.ObjectLostError:
+                raise Unavailable(
+                    "the input bytes were lost before the encoder read them (the process that stored them "
+                    "died); retry the request", req_id,
+                ) from None
+        return await self._encode_one(media, req_id)
+
+    async def _encode_one(self, media: Media, req_id: str | None) -> EncodedItem:
         if not isinstance(media, (bytes, Video)):
             raise InvalidRequest(f"encode takes image bytes or a Video, got {type(media).__name__}")
-        self._in_progress += 1
         try:
             prepared = await asyncio.to_thread(self._encoder.prepare, media)
             encoded = await self._encode_batch(prepared)
@@ -88,8 +125,6 @@ class Encoder:
             return encoded
         except MediaError as exc:
             raise InvalidRequest(str(exc)) from None
-        finally:
-            self._in_progress -= 1
 
     # Until reconfigure() applies the user_config (Serve calls it before the first request).
     @serve.batch(max_batch_size=BatchConfig().max_batch_size, batch_wait_timeout_s=BatchConfig().batch_wait_timeout_s)
@@ -129,3 +164,15 @@ class Encoder:
             "pid": os.getpid(),
             **self._batch.model_dump(),
         }
+
+
+async def _outcome(task: asyncio.Future) -> EncodedItem | RegistryError:
+    """An item's result, or its failure as a value (a raised one would end the whole stream).
+    The model's own exceptions become ``EncodeFailed`` with their type and text: that is what
+    the registry reports, and they need not be picklable."""
+    try:
+        return await task
+    except RegistryError as exc:
+        return exc.fresh()
+    except Exception as exc:  # noqa: BLE001 - one item's failure is reported, not raised
+        return EncodeFailed(f"{type(exc).__name__}: {exc}")

@@ -4,7 +4,8 @@
 the same code: validate, unwrap the media bytes, hash them and store each large
 item once in the object store (``registry.inputs``), hand the refs to the
 registry actor (which calls the encoder and owns the results), answer with the
-entry.
+entry. Requests that need not wait for staging share registry calls
+(``deployments.submits``).
 
 Errors: every failure is a ``RegistryError``; HTTP clients get the error body
 of ``deployments.http_api``; handle callers get the exception itself. The routes
@@ -29,6 +30,7 @@ from deployments.config import AppConfig
 from deployments.decoder_routes import DecoderRoutes
 from deployments.http_api import ERROR_RESPONSES, api, as_registry_error, log_once, logger, read_json
 from deployments.schemas import EncodeRequest, RequestState, parse_encode_request
+from deployments.submits import SubmitBatcher
 from deployments.zmq_push import ZmqPusher
 from encoder import MediaError, item_media
 from registry import MediaInput, media_input
@@ -56,6 +58,7 @@ class Ingress(DecoderRoutes):
         self._settings = self._config.registry_settings(encoder.app_name, encoder.deployment_name)
         self._shards = get_or_create_shards(self._settings)
         self._settings = self._shards.settings  # with the shard count the registry has
+        self._submits = SubmitBatcher(self._call_shard, self._config.registry_call_max_requests)
         # Blocking is fine here: the replica serves nothing until its constructor returns.
         ray.get([call for i in range(len(self._shards)) for call in self._configure(i)])
 
@@ -151,7 +154,10 @@ class Ingress(DecoderRoutes):
         digest = hashlib.sha256()
         for item in inputs:  # what a retry must repeat to join this request: every item's content
             digest.update(item.digest.encode())
-        return await self._call(req_id, "submit", list(inputs), digest.hexdigest(), request.receive_count, request.wait)
+        items, key = list(inputs), digest.hexdigest()
+        if request.wait:
+            return await self._call(req_id, "submit", items, key, request.receive_count, True)
+        return await self._submits.submit(self._shards.index(req_id), (req_id, items, key, request.receive_count))
 
     # --- HTTP ---------------------------------------------------------------------
 

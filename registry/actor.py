@@ -50,6 +50,8 @@ from registry.state import (
 
 logger = get_logger(__name__)
 
+# Most requests one ``submit_many`` call may carry.
+MAX_SUBMITS_PER_CALL = 1024
 # Ray's metrics are scraped every few seconds; the table's gauges are published this often.
 _METRICS_PERIOD_S = 0.5
 
@@ -60,6 +62,13 @@ def _effective_limits(settings: RegistrySettings) -> Limits:
     store = ray.cluster_resources().get("object_store_memory", 0)
     cap = int(store * settings.max_object_store_fraction) if store else settings.limits.max_staged_bytes
     return dataclasses.replace(settings.limits, max_staged_bytes=min(settings.limits.max_staged_bytes, cap))
+
+
+def _answer(entry: Entry) -> dict[str, Any]:
+    """What a submit answers: the entry's description, or the error it ended with."""
+    if entry.state in (PENDING, STAGED, RELEASED):
+        return entry.describe()
+    raise entry.error.fresh() if entry.error is not None else ended_error(entry)
 
 
 class EmbeddingRegistry(RankCalls):
@@ -75,6 +84,8 @@ class EmbeddingRegistry(RankCalls):
         self._changed: dict[str, asyncio.Event] = {}
         self._waiting: _Count[str] = _Count()
         self._submitters: _Count[str] = _Count()  # submit calls waiting, per req_id
+        self._submit_calls = 0  # submit and submit_many calls, and the requests they carried
+        self._submitted = 0
         self._watchers: dict[str, set[asyncio.Event]] = {}  # req_id -> the watch calls naming it
         self._encode_tasks: dict[str, asyncio.Task] = {}
         self._pushes: dict[tuple[str, int], float] = {}  # (req_id, rank) pushed -> when, until acknowledged
@@ -87,7 +98,9 @@ class EmbeddingRegistry(RankCalls):
         # the encoder client brings Serve and FastAPI (0.6 CPU-s on a rank's first fetch).
         from registry.encoding import EncoderClient
 
-        self._encoder = EncoderClient(settings.encoder_app, settings.encoder_deployment, settings.cache_max_bytes)
+        self._encoder = EncoderClient(
+            settings.encoder_app, settings.encoder_deployment, settings.cache_max_bytes, settings.encoder_call_max_items
+        )
         self._started_at = time.time()
         # After a crash Ray re-runs this constructor: the table and every object it owned are
         # gone. Requests staged before cannot be told from ones not sent yet, so for a while
@@ -113,7 +126,9 @@ class EmbeddingRegistry(RankCalls):
                 settings.registry_max_concurrency, self._settings.registry_max_concurrency,
             )
             settings = dataclasses.replace(settings, registry_max_concurrency=self._settings.registry_max_concurrency)
-        self._encoder.reconfigure(settings.encoder_app, settings.encoder_deployment, settings.cache_max_bytes)
+        self._encoder.reconfigure(
+            settings.encoder_app, settings.encoder_deployment, settings.cache_max_bytes, settings.encoder_call_max_items
+        )
         self._settings = settings
         self._state.limits = await asyncio.to_thread(_effective_limits, settings)
         self._timer_wake.set()
@@ -133,6 +148,8 @@ class EmbeddingRegistry(RankCalls):
         stats["max_staged_bytes"] = self._state.limits.max_staged_bytes
         stats["waiting_calls"] = sum(self._waiting.values())
         stats["encodes_in_flight"] = len(self._encode_tasks)
+        stats["submit_calls_total"] = self._submit_calls
+        stats["submitted_requests_total"] = self._submitted
         return {**stats, **self._encoder.stats()}
 
     # --- ingress ------------------------------------------------------------------
@@ -145,6 +162,49 @@ class EmbeddingRegistry(RankCalls):
         With ``wait`` it returns once the entry left ``pending``; a failed, cancelled
         or expired outcome raises that error. ``items`` are ``registry.media_input(bytes)``.
         """
+        self._submit_calls += 1
+        self._submitted += 1
+        entry = self._accept(req_id, items, digest, receive_count)
+        self._submitters[req_id] += 1
+        try:
+            while wait and entry.state == PENDING:
+                await self._wait_change(req_id, None)
+        except asyncio.CancelledError:
+            # The caller went away (client disconnected or timed out; the ingress cancels this
+            # call). If no other caller waits for this request, nobody will use its result:
+            # cancel it rather than stage an orphan, and ranks waiting for it are told so.
+            if self._submitters[req_id] == 1 and entry.state == PENDING:  # pending: still the live one
+                self._state.cancel(req_id, time.time())
+                logger.info("req_id=%s cancelled: its client went away before it was staged", req_id)
+                self._changed_now(req_id)
+            raise
+        finally:
+            self._submitters[req_id] -= 1
+            if not self._submitters[req_id]:
+                del self._submitters[req_id]
+        return _answer(entry)
+
+    async def submit_many(self, requests: list[tuple[str, list[MediaInput], str, int | None]]) -> list[Any]:
+        """Accept several encodes at once, each as ``submit`` with ``wait=False`` would: one call
+        for the ``(req_id, items, digest, receive_count)`` that reached an Ingress replica
+        together. Returns, in order, each one's description or the ``RegistryError`` that
+        refused it alone."""
+        if not isinstance(requests, list) or len(requests) > MAX_SUBMITS_PER_CALL:
+            raise InvalidRequest(f"submit_many takes a list of at most {MAX_SUBMITS_PER_CALL} requests")
+        self._submit_calls += 1
+        self._submitted += len(requests)
+        out: list[Any] = []
+        for request in requests:
+            try:
+                if not isinstance(request, (list, tuple)) or len(request) != 4:
+                    raise InvalidRequest("each request is (req_id, items, digest, receive_count)")
+                out.append(_answer(self._accept(*request)))
+            except RegistryError as exc:
+                out.append(exc.fresh())
+        return out
+
+    def _accept(self, req_id: str, items: list[MediaInput], digest: str, receive_count: int | None) -> Entry:
+        """The entry for this request: created (its encode started) or the live one joined."""
         self._ensure_background_tasks()
         self._check_owned(req_id)
         if not isinstance(items, list) or not all(isinstance(item, MediaInput) for item in items):
@@ -169,26 +229,7 @@ class EmbeddingRegistry(RankCalls):
                 self._run_encode(entry, items), context=contextvars.Context()
             )
             self._changed_now(req_id)
-        self._submitters[req_id] += 1
-        try:
-            while wait and entry.state == PENDING:
-                await self._wait_change(req_id, None)
-        except asyncio.CancelledError:
-            # The caller went away (client disconnected or timed out; the ingress cancels this
-            # call). If no other caller waits for this request, nobody will use its result:
-            # cancel it rather than stage an orphan, and ranks waiting for it are told so.
-            if self._submitters[req_id] == 1 and entry.state == PENDING:  # pending: still the live one
-                self._state.cancel(req_id, time.time())
-                logger.info("req_id=%s cancelled: its client went away before it was staged", req_id)
-                self._changed_now(req_id)
-            raise
-        finally:
-            self._submitters[req_id] -= 1
-            if not self._submitters[req_id]:
-                del self._submitters[req_id]
-        if entry.state in (PENDING, STAGED, RELEASED):
-            return entry.describe()
-        raise entry.error.fresh() if entry.error is not None else ended_error(entry)
+        return entry
 
     async def describe(self, req_id: str, wait_s: float = 0.0) -> dict[str, Any]:
         """The entry's description; with ``wait_s`` wait up to that long while it is pending."""

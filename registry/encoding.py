@@ -8,7 +8,8 @@ from the bytes and reports) and, in order:
 1. a cache hit hands back the staged item already held (no model run, no copy);
 2. an identical item being encoded right now is awaited, not encoded again
    (so duplicates in one request, or in one batch, run once);
-3. otherwise one call to the ``Encoder`` deployment runs, in a task shared by
+3. otherwise the item goes to the ``Encoder`` deployment (``registry.encoder_calls``,
+   which sends the items that reach it together in one call), in a task shared by
    everyone waiting for that hash. It is cancelled only when its last waiter is.
 
 The call is made from this process, so the result's ObjectRef is owned here and
@@ -20,6 +21,7 @@ identity is fetched again instead of caching under a stale key.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 from typing import Any
 
@@ -29,16 +31,10 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, 
 
 from encoder.hashing import mm_hash
 from registry.cache import EncoderCache
+from registry.encoder_calls import EncoderCalls
 from registry.errors import EncodeFailed, Overloaded, RegistryError, Unavailable, unwrap
 from registry.inputs import INLINE_MAX_BYTES, MediaInput
-from registry.logs import get_logger
 from registry.state import StagedItem
-
-logger = get_logger(__name__)
-
-# How many times an item is sent again when the replica encoding it dies. One: a
-# second death in a row is more likely the input killing replicas than bad luck.
-REPLICA_DEATH_RETRIES = 1
 
 
 def encode_error(exc: BaseException, req_id: str, index: int) -> RegistryError:
@@ -73,20 +69,21 @@ class _Shared:
 
 
 class EncoderClient:
-    def __init__(self, app: str, deployment: str, cache_max_bytes: int):
+    def __init__(self, app: str, deployment: str, cache_max_bytes: int, call_max_items: int):
         self._target = (app, deployment)
         self._handle: Any = None
-        self._identity: str | None = None
+        self._identity: asyncio.Task | None = None  # asks the Encoder for its model identity, once
         self.cache = EncoderCache(cache_max_bytes)
+        self._calls = EncoderCalls(self._deployment, call_max_items)
         self._inflight: dict[str, _Shared] = {}
         self.joined = 0  # items that joined an identical item's encode in flight
-        self.replica_retries = 0  # item encodes run again because their replica died
 
-    def reconfigure(self, app: str, deployment: str, cache_max_bytes: int) -> None:
+    def reconfigure(self, app: str, deployment: str, cache_max_bytes: int, call_max_items: int) -> None:
         if (app, deployment) != self._target:
             self._target, self._handle, self._identity = (app, deployment), None, None
             self.cache.clear()
         self.cache.max_bytes = cache_max_bytes
+        self._calls.max_items = call_max_items
         self._identity = None  # a (re)deploy may have changed the model: ask again
 
     async def encode(self, req_id: str, index: int, item: MediaInput) -> StagedItem:
@@ -120,59 +117,25 @@ class EncoderClient:
     def stats(self) -> dict[str, int]:
         return {
             **self.cache.stats(),
+            **self._calls.stats(),
             "encodes_joined_total": self.joined,
-            "replica_retries_total": self.replica_retries,
             "item_encodes_in_flight": len(self._inflight),
         }
 
     async def _call(self, key: str, payload: Any, req_id: str) -> StagedItem:
-        """One Encoder call for ``key``, shared by every waiter (``req_id``: the first one's)."""
-        handle = await self._deployment()
-        for attempt in range(1 + REPLICA_DEATH_RETRIES):
-            # A ref as a top-level argument: Ray resolves it in the replica, not here.
-            response = handle.encode.remote(payload, req_id)
-            ref = None
-            try:
-                ref = await response._to_object_ref()
-                # Read the value once for its metadata. On the same node this maps the
-                # payload without copying it (the mapping is dropped on return); from another
-                # node it leaves a spare, evictable copy here, as Serve's router's own read of
-                # every result does anyway.
-                encoded = await ref
-            except asyncio.CancelledError:
-                response.cancel()
-                response = ref = None  # see below
-                raise
-            except Exception as exc:  # noqa: BLE001
-                error = unwrap(exc)
-                if isinstance(error, RayActorError) and attempt < REPLICA_DEATH_RETRIES:
-                    # The replica died holding this item (killed mid-batch, its node lost).
-                    # Serve retries only requests no replica accepted yet, so run it once
-                    # more: the router has marked that replica dead and picks another.
-                    self.replica_retries += 1
-                    logger.warning(
-                        "req_id=%s: the encoder replica died while encoding an item (mm_hash=%s): %s; "
-                        "sending it once more", req_id, key, type(error).__name__,
-                    )
-                    continue
-            else:
-                # A small item rides in each fetch's reply: a rank then needs no second call
-                # (to this process, the owner) to read it. A large one is read from the object
-                # store, zero-copy; keeping its value here would pin a mapping of it.
-                small = encoded.meta["nbytes"] <= INLINE_MAX_BYTES
-                item = StagedItem(meta=encoded.meta, ref=ref, value=encoded if small else None)
-                if encoded.meta.get("mm_hash") == key:
-                    if self.cache.max_bytes > 0:
-                        self.cache.put(key, item)
-                else:
-                    self._identity = None  # the model changed under us; do not cache under a stale key
-                return item
-            break
-        # A raised exception's traceback keeps this frame and so its locals, and asyncio
-        # tasks keep their exception in a reference cycle that only the garbage collector
-        # breaks: drop the failed call's objects before raising, or they outlive the call.
-        response = ref = None
-        raise error
+        """The encode of ``key``, shared by every waiter (``req_id``: the first one's)."""
+        ref, encoded = await self._calls.encode(key, payload, req_id)
+        # A small item rides in each fetch's reply: a rank then needs no second call (to
+        # this process, the owner) to read it. A large one is read from the object store,
+        # zero-copy; keeping its value here would pin a mapping of it.
+        small = encoded.meta["nbytes"] <= INLINE_MAX_BYTES
+        item = StagedItem(meta=encoded.meta, ref=ref, value=encoded if small else None)
+        if encoded.meta.get("mm_hash") == key:
+            if self.cache.max_bytes > 0:
+                self.cache.put(key, item)
+        else:
+            self._identity = None  # the model changed under us; do not cache under a stale key
+        return item
 
     async def _deployment(self) -> Any:
         if self._handle is None:
@@ -182,7 +145,18 @@ class EncoderClient:
         return self._handle
 
     async def _model_identity(self) -> str:
-        if self._identity is None:
-            handle = await self._deployment()
-            self._identity = await handle.identity.remote()
-        return self._identity
+        """The serving model's identity, asked once for every item that needs it meanwhile
+        (so the items of a request reach ``registry.encoder_calls`` together)."""
+        task = self._identity
+        if task is None:
+            task = self._identity = asyncio.create_task(self._ask_identity(), context=contextvars.Context())
+        try:
+            return await asyncio.shield(task)
+        except Exception:
+            if self._identity is task:
+                self._identity = None  # asked again by the next item
+            raise
+
+    async def _ask_identity(self) -> str:
+        handle = await self._deployment()
+        return await handle.identity.remote()

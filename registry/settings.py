@@ -53,6 +53,8 @@ class RegistrySettings:
     # Where the registry sends encode work: a Serve deployment, by app and name.
     encoder_app: str
     encoder_deployment: str = "Encoder"
+    # Most items in one Encoder call (``registry.encoder_calls``).
+    encoder_call_max_items: int = 8
     # How many registry actors share the req_ids (``registry.shards``), and which one this
     # is; fixed when the actors are created.
     registry_shards: int = 1
