@@ -44,10 +44,10 @@ def _body(req_id: str, receive_count: int) -> dict[str, Any]:
     return {"req_id": req_id, "receive_count": receive_count, "wait": False, "items": [{"type": "image", "image": data}]}
 
 
-async def _encode_all(path: str, url: str, bodies: list[dict[str, Any]], concurrency: int) -> None:
+async def _encode_all(path: str, url: str, bodies: list[dict[str, Any]], concurrency: int, app: str) -> None:
     pending = iter(bodies)
     if path == "handle":
-        handle = serve.get_app_handle(standin.APP)
+        handle = serve.get_app_handle(app)
 
         async def one() -> None:
             await handle.encode.remote(next(pending))
@@ -77,11 +77,14 @@ def timed_lifecycles(
     return n / elapsed, cpu, failed
 
 
-def measure(ranks: list[Any], registry_name: str, namespace: str, http_url: str, lifecycles: int, concurrency: int) -> dict[str, Any]:
-    """Per path: lifecycles/s, failed fetches and CPU ms per lifecycle by role."""
+def measure(
+    ranks: list[Any], registry_name: str, namespace: str, http_url: str, lifecycles: int, concurrency: int,
+    app: str = standin.APP,
+) -> dict[str, Any]:
+    """Per path: lifecycles/s, failed fetches and CPU ms per lifecycle by role, through the
+    stand-in app ``app`` (served under ``/app``)."""
     registry = ray.get_actor(registry_name, namespace=namespace)
     ray.get([rank.use_registry.remote(registry_name, namespace) for rank in ranks])
-    app = standin.APP
     classify = by_title(
         {f"ServeReplica:{app}:Encoder": "encoder", f"ServeReplica:{app}:Ingress": "ingress", "ProxyActor": "proxy",
          "ServeController": "controller", "raylet/raylet": "raylet", "gcs_server": "gcs"},
@@ -91,7 +94,7 @@ def measure(ranks: list[Any], registry_name: str, namespace: str, http_url: str,
     out: dict[str, Any] = {}
     for path in PATHS:
         def encode(req_ids: list[str], path: str = path) -> None:
-            asyncio.run(_encode_all(path, url, [_body(req_id, len(ranks)) for req_id in req_ids], concurrency))
+            asyncio.run(_encode_all(path, url, [_body(req_id, len(ranks)) for req_id in req_ids], concurrency, app))
 
         timed_lifecycles(ranks, max(20, lifecycles // 10), concurrency, classify, encode)  # warm-up
         rate, cpu, failed = timed_lifecycles(ranks, lifecycles, concurrency, classify, encode)

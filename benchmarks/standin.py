@@ -151,7 +151,7 @@ class StandInApp:
         ray.get(self.registry.cancel.remote(req_id))
 
 
-def _config(registry_name: str, namespace: str) -> Any:
+def _config(registry_name: str, namespace: str, **overrides: Any) -> Any:
     from deployments import AppConfig
 
     return AppConfig.model_validate(
@@ -160,19 +160,21 @@ def _config(registry_name: str, namespace: str) -> Any:
             "registry_namespace": namespace,
             "cache_max_bytes": 0,
             "model": {"family": "tiny-vit", "dtype": "bfloat16"},
+            **overrides,
         }
     )
 
 
-def application(sizes: list[int], registry_name: str, namespace: str) -> Any:
+def application(sizes: list[int], registry_name: str, namespace: str, **overrides: Any) -> Any:
     """The real ``Ingress`` in front of the stand-in: deploy it under ``APP`` (HTTP under ``/APP``).
 
     The Ingress creates the registry, as the real app does; only its encoder is the
-    stand-in, and the content-hash cache is off (every item is new).
+    stand-in, and the content-hash cache is off (every item is new). ``overrides``: other
+    app config keys.
     """
     from deployments import Ingress
 
-    config = _config(registry_name, namespace)
+    config = _config(registry_name, namespace, **overrides)
     encoder = StandInDeployment.bind(sorted({*sizes, TINY}))
     return Ingress.options(ray_actor_options={"num_cpus": 0}).bind(encoder, config.model_dump())
 
