@@ -34,6 +34,7 @@ from deployments.submits import SubmitBatcher
 from deployments.zmq_push import ZmqPusher
 from encoder import MediaError, item_media
 from registry import MediaInput, media_input
+from registry.inputs import ref_input
 from registry.errors import InvalidRequest, RegistryError, Unauthorized, Unavailable
 from registry.logs import quiet_client_errors, replica_log_format
 from registry.lookup import get_or_create_registry, get_or_create_shards
@@ -118,9 +119,13 @@ class Ingress(DecoderRoutes):
     # --- Python handle ------------------------------------------------------------
 
     async def encode(self, body: dict[str, Any]) -> dict[str, Any]:
-        """Encode and stage ``body`` (the ``POST /v1/encode`` body); returns the entry."""
+        """Encode and stage ``body`` (the ``POST /v1/encode`` body, whose items may also be
+        ``{"type": "image_ref", "image_ref": ray.put(image_bytes)}``); returns the entry."""
+        return await self._encode_body(body, handle=True)
+
+    async def _encode_body(self, body: Any, handle: bool) -> dict[str, Any]:
         try:
-            return await self._encode(parse_encode_request(body))
+            return await self._encode(parse_encode_request(body, handle))
         except RegistryError as exc:
             log_once(exc)
             raise
@@ -139,6 +144,8 @@ class Ingress(DecoderRoutes):
             )
 
         def prepare(item: dict[str, Any]) -> MediaInput:
+            if item["type"] == "image_ref":  # the caller's stored bytes, passed on unread
+                return ref_input(item["image_ref"], cfg.max_item_bytes, cfg.fetch_timeout_s)
             return media_input(item_media(item, self._media_policy, cfg.max_video_frames))
 
         async def unwrap_item(index: int, item: Any) -> MediaInput:
@@ -170,7 +177,7 @@ class Ingress(DecoderRoutes):
     async def post_encode(self, request: Request) -> JSONResponse:
         """Encode media items and stage their embeddings for `receive_count` TP ranks."""
         self._authorize(request)
-        out = await self.encode(await read_json(request, self._config.max_request_bytes))
+        out = await self._encode_body(await read_json(request, self._config.max_request_bytes), handle=False)
         return JSONResponse(out, status_code=202 if out["state"] == "pending" else 200)
 
     @api.get("/v1/requests/{req_id}", response_model=RequestState, responses=ERROR_RESPONSES)

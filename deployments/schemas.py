@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, TypeVar, Union
 
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from registry.errors import InvalidRequest
 
@@ -45,7 +45,25 @@ class VideoItem(_Strict):
     )
 
 
+class ImageRefItem(_Strict):
+    """Python handle only: the image file's bytes already in the object store, passed on unread
+    (``registry.inputs.ref_input``), so a caller's ``ray.put`` is the only copy there."""
+
+    type: Literal["image_ref"]
+    image_ref: Any = Field(description="A ray.ObjectRef of the image file's bytes (ray.put(data)).")
+
+    @field_validator("image_ref", mode="plain")
+    @classmethod
+    def _an_object_ref(cls, value: Any) -> Any:
+        import ray  # loaded in every process that validates one: a handle caller's is a Ray worker
+
+        if not isinstance(value, ray.ObjectRef):
+            raise ValueError(f"must be a ray.ObjectRef of the image bytes, got {type(value).__name__}")
+        return value
+
+
 Item = Annotated[Union[ImageURLItem, ImageItem, VideoItem], Field(discriminator="type")]
+HandleItem = Annotated[Union[ImageURLItem, ImageItem, VideoItem, ImageRefItem], Field(discriminator="type")]
 
 
 class EncodeRequest(_Strict):
@@ -57,6 +75,12 @@ class EncodeRequest(_Strict):
     )
     items: list[Item] = Field(min_length=1, description="Media items, in order.")
     wait: bool = Field(True, description="true: answer once staged (200); false: answer at once (202, pending).")
+
+
+class HandleEncodeRequest(EncodeRequest):
+    """What ``handle.encode.remote(body)`` takes: the HTTP body, and also ``image_ref`` items."""
+
+    items: list[HandleItem] = Field(min_length=1, description="Media items, in order.")
 
 
 class ItemMeta(BaseModel):
@@ -127,10 +151,10 @@ class ErrorResponse(BaseModel):
     error: ErrorBody
 
 
-def parse_encode_request(body: Any) -> EncodeRequest:
-    """Validate a request body (dict from JSON or from a Python caller)."""
+def parse_encode_request(body: Any, handle: bool = False) -> EncodeRequest:
+    """Validate a request body: parsed JSON, or (``handle``) a Python caller's dict."""
     req_id = body.get("req_id") if isinstance(body, dict) else None
-    return parse_body(EncodeRequest, body, req_id if isinstance(req_id, str) else None)
+    return parse_body(HandleEncodeRequest if handle else EncodeRequest, body, req_id if isinstance(req_id, str) else None)
 
 
 def parse_body(model: type[_M], body: Any, req_id: str | None = None) -> _M:

@@ -50,6 +50,29 @@ def _nbytes(media: Media) -> int:
     return sum(len(f) for f in media.frames) if isinstance(media, Video) else len(media)
 
 
+def ref_input(ref: Any, max_bytes: int, timeout_s: float) -> MediaInput:
+    """The ``MediaInput`` of image bytes a caller stored already (``ray.put(data)``): read here
+    once to hash and check them (a copy in this process's memory, not in the store), then
+    passed on as that ref when large, so the store holds them once. Blocking; raises
+    ``MediaError`` for anything that is not readable image bytes within the limit."""
+    from encoder.media import MediaError
+
+    try:
+        data = ray.get(ref, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise MediaError(f"the image_ref was not readable within {timeout_s:g} s (is the task that makes it done?)") from None
+    except ray.exceptions.RayError as exc:
+        raise MediaError(f"the image_ref cannot be read: {type(exc).__name__}") from None
+    if not isinstance(data, bytes):
+        raise MediaError(f"the image_ref must hold the image file's bytes, got {type(data).__name__}")
+    if not data:
+        raise MediaError("the image is empty")
+    if len(data) > max_bytes:
+        raise MediaError(f"the image is {len(data)} bytes; the limit is {max_bytes} bytes")
+    digest = media_digest(data)
+    return MediaInput(digest, data=data) if len(data) <= INLINE_MAX_BYTES else MediaInput(digest, ref=ref)
+
+
 def media_input(media: Media, inline_max_bytes: int = INLINE_MAX_BYTES) -> MediaInput:
     """Hash ``media`` and, if it is larger than ``inline_max_bytes``, store it once (``ray.put``)."""
     digest = media_digest(media)
