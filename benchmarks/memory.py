@@ -1,9 +1,11 @@
 """5. Memory: peak object-store bytes per staged byte during a burst, and the return to baseline.
 
 The burst goes through the whole app as a client sends it, once through the
-Python handle of the real ``Ingress`` and once over HTTP: the Ingress stores
-each item's bytes once (``registry.inputs``) and hands the ref to the registry,
-which passes it to the ``Encoder`` and keeps the result. The encoder is the
+Python handle of the real ``Ingress`` (each image stored by the caller and sent
+as an ``image_ref`` item, which the Ingress passes on unread) and once over HTTP
+(base64 in the body; the Ingress stores each item's bytes once,
+``registry.inputs``). The registry passes the ref to the ``Encoder`` and keeps
+the result. The encoder is the
 stand-in (``benchmarks.standin``: the real ``Encoder`` code with a free model),
 so every embedding is exactly 4.72 MB (576 tokens x 4096, bfloat16: what a
 672 x 672 image gives a Qwen2.5-VL-7B-class model). The media item of each
@@ -96,25 +98,32 @@ def _settled(timeout_s: float = 15.0) -> int:
     return last
 
 
-def _bodies(count: int) -> list[dict]:
-    """Encode bodies whose media carry the stand-in header, padded to a real image's size."""
+def _media(count: int) -> list[bytes]:
+    """Media that carry the stand-in header, padded to a real image's size."""
     input_bytes = len(png(INPUT_SIDE, seed=0))
     out = []
     for i in range(count):
         header = standin.media(EMBEDDING_BYTES, f"mem{i}") + b":"
-        data = header + bytes(input_bytes - len(header))
-        out.append({"receive_count": 2, "items": [{"type": "image", "image": base64.b64encode(data).decode()}]})
+        out.append(header + bytes(input_bytes - len(header)))
     return out
 
 
-def _burst(ctx: Context, path: str, bodies: list[dict], ranks: list, baseline: int) -> dict[str, float]:
-    """One burst of ``bodies`` through ``path``; the store's peak, what was staged, the return."""
+def _body(item: dict) -> dict:
+    return {"receive_count": 2, "items": [item]}
+
+
+def _burst(ctx: Context, path: str, media: list[bytes], ranks: list, baseline: int) -> dict[str, float]:
+    """One burst of ``media`` through ``path``; the store's peak, what was staged, the return.
+
+    Through the handle each item is an ``image_ref`` the caller stores as the burst starts
+    (so its copy counts); over HTTP, base64 in the JSON body."""
     handle = serve.get_app_handle(standin.APP)
     url = f"{ctx.cluster['http_url']}/{standin.APP}/v1/encode"
-    raw = [json.dumps(body).encode() for body in bodies]
+    raw = [json.dumps(_body({"type": "image", "image": base64.b64encode(data).decode()})).encode() for data in media]
 
     async def burst() -> list[dict]:
         if path == "handle":
+            bodies = [_body({"type": "image_ref", "image_ref": ray.put(data)}) for data in media]
             return await asyncio.gather(*(handle.encode.remote(body) for body in bodies))
         limits = httpx.Limits(max_connections=len(raw))
         async with httpx.AsyncClient(timeout=120, limits=limits) as client:
@@ -151,7 +160,7 @@ def run(ctx: Context, app: standin.StandInApp) -> None:
     handle = serve.get_app_handle(standin.APP)
     ranks = ctx.probes.ranks[:2]
     ray.get([rank.use_registry.remote(app.registry_name, app.namespace) for rank in ranks])
-    bodies = _bodies(2 * plan.memory_burst)
+    media = _media(2 * plan.memory_burst)
     # Warm-up of the Ingress's handles and threads, with an item small enough to travel
     # inline: nothing of it is in the store, so the baseline need not wait for its free.
     tiny = base64.b64encode(standin.media(standin.TINY, "mem-warm")).decode()
@@ -163,7 +172,7 @@ def run(ctx: Context, app: standin.StandInApp) -> None:
     gc.collect()
     baseline = _settled()
     for i, path in enumerate(PATHS):
-        m = _burst(ctx, path, bodies[i * plan.memory_burst:(i + 1) * plan.memory_burst], ranks, baseline)
+        m = _burst(ctx, path, media[i * plan.memory_burst:(i + 1) * plan.memory_burst], ranks, baseline)
         _record(ctx, {"path": path}, m, input_key, input_bytes)
         if m["left"] > _RETURN_TOLERANCE:  # not back: the next burst needs a baseline of its own
             baseline = _settled()
@@ -171,10 +180,11 @@ def run(ctx: Context, app: standin.StandInApp) -> None:
         SECTION,
         (
             f"{plan.memory_burst} concurrent requests per path, each one item of {input_bytes / 1e6:.2f} MB "
-            f"(a {INPUT_SIDE}x{INPUT_SIDE} random PNG's size; base64 in the JSON body) staged as a "
-            f"{EMBEDDING_BYTES / 1e6:.2f} MB embedding by the stand-in encoder, receive_count=2. Through the "
-            "handle, Ray keeps the caller's argument (the whole body) in the store until the call returns, "
-            "which is after the embedding is staged; over HTTP the proxy streams the body to the Ingress."
+            f"(a {INPUT_SIDE}x{INPUT_SIDE} random PNG's size) staged as a {EMBEDDING_BYTES / 1e6:.2f} MB "
+            "embedding by the stand-in encoder, receive_count=2. Through the handle the caller stores each "
+            "image (ray.put, counted: it happens during the burst) and sends an image_ref item, which the "
+            "Ingress hashes and passes on unread; over HTTP the image is base64 in the JSON body, which the "
+            "proxy streams to the Ingress, and the Ingress stores it once."
         ),
     )
 
