@@ -23,6 +23,7 @@ import ray
 from ray import serve
 from ray.serve import metrics
 
+from deployments.autoscaling import ITEMS_METRIC
 from deployments.config import BatchConfig, ModelConfig
 from encoder import EncodedItem, Media, MediaError, PreparedItem, Video
 from registry.errors import EncodeFailed, InvalidRequest, RegistryError, Unavailable
@@ -150,6 +151,11 @@ class Encoder:
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "torch_threads": torch.get_num_threads(),
         }
+
+    def record_autoscaling_stats(self) -> dict[str, int]:
+        """What ``deployments.autoscaling.scale_on_items`` scales on (Serve asks with an
+        ``autoscaling_config``): items in this replica, however many calls brought them."""
+        return {ITEMS_METRIC: self._in_progress}
 
     async def identity(self) -> str:
         """The model identity inside every ``mm_hash`` this replica computes."""

@@ -17,13 +17,15 @@ from ray import serve
 from deployments import BatchConfig, compose_app
 from support import MODEL_SPEC, deployment_options, image_bytes, image_item, reference_embedding, wait_until
 
-# Serve's autoscaler, tuned to react within a second or two: one ongoing request per
-# replica is the target, so eight clients ask for the second replica at once.
+# Serve's autoscaler, tuned to react within a second or two, on the items each replica holds
+# (several may ride in one call): one item per replica is the target, so eight clients ask
+# for the second replica at once.
 AUTOSCALING = {
     "Encoder": {
         "autoscaling_config": {
             "min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
             "metrics_interval_s": 0.2, "look_back_period_s": 0.5, "upscale_delay_s": 0.0, "downscale_delay_s": 1.0,
+            "policy": {"policy_function": "deployments.autoscaling:scale_on_items"},
         },
         "ray_actor_options": {"num_gpus": 0.5, "num_cpus": 0},
         # Batches wait for company, so requests pile up on a replica as they would on a busy GPU.
