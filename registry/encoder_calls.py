@@ -11,9 +11,9 @@ a Serve call (routing, the replica's accept protocol, the reply) costs the regis
 more CPU than anything else it does for an item.
 
 Serve counts a call, not its items, as one ongoing request, for the Encoder's
-``max_ongoing_requests``, ``max_queued_requests`` and the default autoscaling
-policy; ``Encoder.record_autoscaling_stats`` reports the items
-(docs/configuration.md).
+``max_ongoing_requests``, ``max_queued_requests`` and its default autoscaling
+policy; ``deployments.autoscaling.scale_on_items`` scales on the items instead
+(docs/operations.md, "Batched calls").
 
 A replica that dies mid-call: the items it had not answered are sent once more,
 since Serve retries only requests no replica accepted yet. An item whose waiters
