@@ -34,8 +34,8 @@ from deployments.submits import SubmitBatcher
 from deployments.zmq_push import ZmqPusher
 from encoder import MediaError, item_media
 from registry import MediaInput, media_input
-from registry.inputs import ref_input
 from registry.errors import InvalidRequest, RegistryError, Unauthorized, Unavailable
+from registry.inputs import ref_input
 from registry.logs import quiet_client_errors, replica_log_format
 from registry.lookup import get_or_create_registry, get_or_create_shards
 from registry.settings import MAX_WAIT_S, api_token_from_env

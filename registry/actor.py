@@ -197,7 +197,9 @@ class EmbeddingRegistry(RankCalls):
         for request in requests:
             try:
                 if not isinstance(request, (list, tuple)) or len(request) != 4:
-                    raise InvalidRequest("each request is (req_id, items, digest, receive_count)")
+                    error = InvalidRequest("each request is (req_id, items, digest, receive_count)")
+                    self._count_error(error)
+                    raise error
                 out.append(_answer(self._accept(*request)))
             except RegistryError as exc:
                 out.append(exc.fresh())
