@@ -148,9 +148,10 @@ class EmbeddingRegistry(RankCalls):
         stats["max_staged_bytes"] = self._state.limits.max_staged_bytes
         stats["waiting_calls"] = sum(self._waiting.values())
         stats["encodes_in_flight"] = len(self._encode_tasks)
-        stats["submit_calls_total"] = self._submit_calls
-        stats["submitted_requests_total"] = self._submitted
-        return {**stats, **self._encoder.stats()}
+        return {**stats, **self._submit_totals(), **self._encoder.stats()}
+
+    def _submit_totals(self) -> dict[str, int]:
+        return {"submit_calls_total": self._submit_calls, "submitted_requests_total": self._submitted}
 
     # --- ingress ------------------------------------------------------------------
 
@@ -350,7 +351,7 @@ class EmbeddingRegistry(RankCalls):
             self._metrics.flush()
             if self._metrics_stale:
                 self._metrics_stale = False
-                self._metrics.sync({**self._state.stats(time.time()), **self._encoder.cache.stats()})
+                self._metrics.sync({**self._state.stats(time.time()), **self._encoder.stats(), **self._submit_totals()})
 
     async def _expire_loop(self) -> None:
         while True:

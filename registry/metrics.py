@@ -18,6 +18,14 @@ from ray.util.metrics import Counter, Gauge, Histogram
 _LATENCY_BOUNDARIES_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
 _ENDED_STATES = ("released", "expired", "cancelled", "failed")
 _CACHE_EVENTS = {"cache_hits_total": "hit", "cache_misses_total": "miss", "cache_evictions_total": "eviction"}
+# Running totals of the batched calls (``registry.encoder_calls``, ``submit_many``): their
+# ratios say how full the calls are.
+_CALL_TOTALS = {
+    "encoder_calls_total": ("epd_encoder_calls_total", "Calls the registry made to the Encoder deployment."),
+    "encoder_call_items_total": ("epd_encoder_call_items_total", "Items those Encoder calls carried."),
+    "submit_calls_total": ("epd_submit_calls_total", "submit and submit_many calls the registry served."),
+    "submitted_requests_total": ("epd_submitted_requests_total", "Encode requests those submit calls carried."),
+}
 
 
 class _LocalCounter:
@@ -84,6 +92,7 @@ class RegistryMetrics:
         self.cache_events = counter(
             "epd_cache_events_total", "Content-hash cache lookups and evictions (hit, miss, eviction).", "event"
         )
+        self.call_totals = {key: counter(name, description) for key, (name, description) in _CALL_TOTALS.items()}
 
     def flush(self) -> None:
         """Hand the per-call counts made since the last flush to Ray."""
@@ -99,6 +108,8 @@ class RegistryMetrics:
             self._count(self.ended, f"{state}_total", stats, {"state": state})
         for key, event in _CACHE_EVENTS.items():
             self._count(self.cache_events, key, stats, {"event": event})
+        for key, total in self.call_totals.items():
+            self._count(total, key, stats, {})
 
     def _count(self, counter: Counter, key: str, stats: dict[str, int], tags: dict[str, str]) -> None:
         delta = stats[key] - self._seen.get(key, 0)
