@@ -2,10 +2,11 @@
 
 ``encode`` takes one item; ``encode_many`` takes several and streams each result
 back as its own object as soon as it is ready (the registry sends it the items
-that reach it together, so under load one Serve call carries several). Decoding and preprocessing run per call, outside the
-batch, so a bad image fails alone; ``@serve.batch`` then gathers prepared items
-from all callers into forward passes. Batch size and wait are the deployment's
-``user_config`` (``BatchConfig``) and can change without a restart.
+that reach it together, so under load one Serve call carries several). Decoding
+and preprocessing run per item, outside the batch, so a bad image fails alone;
+``@serve.batch`` then gathers prepared items from all callers into forward passes.
+Batch size and wait are the deployment's ``user_config`` (``BatchConfig``) and can
+change without a restart.
 
 The result, an ``EncodedItem``, is returned by value: the registry actor is the
 caller, so it owns the resulting object (each streamed one too) and the staged

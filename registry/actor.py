@@ -84,8 +84,8 @@ class EmbeddingRegistry(RankCalls):
         self._changed: dict[str, asyncio.Event] = {}
         self._waiting: _Count[str] = _Count()
         self._submitters: _Count[str] = _Count()  # submit calls waiting, per req_id
-        self._submit_calls = 0  # submit and submit_many calls, and the requests they carried
-        self._submitted = 0
+        # submit and submit_many calls, and the requests they carried (stats and metrics).
+        self._submits = {"submit_calls_total": 0, "submitted_requests_total": 0}
         self._watchers: dict[str, set[asyncio.Event]] = {}  # req_id -> the watch calls naming it
         self._encode_tasks: dict[str, asyncio.Task] = {}
         self._pushes: dict[tuple[str, int], float] = {}  # (req_id, rank) pushed -> when, until acknowledged
@@ -98,9 +98,7 @@ class EmbeddingRegistry(RankCalls):
         # the encoder client brings Serve and FastAPI (0.6 CPU-s on a rank's first fetch).
         from registry.encoding import EncoderClient
 
-        self._encoder = EncoderClient(
-            settings.encoder_app, settings.encoder_deployment, settings.cache_max_bytes, settings.encoder_call_max_items
-        )
+        self._encoder = EncoderClient(settings)
         self._started_at = time.time()
         # After a crash Ray re-runs this constructor: the table and every object it owned are
         # gone. Requests staged before cannot be told from ones not sent yet, so for a while
@@ -126,9 +124,7 @@ class EmbeddingRegistry(RankCalls):
                 settings.registry_max_concurrency, self._settings.registry_max_concurrency,
             )
             settings = dataclasses.replace(settings, registry_max_concurrency=self._settings.registry_max_concurrency)
-        self._encoder.reconfigure(
-            settings.encoder_app, settings.encoder_deployment, settings.cache_max_bytes, settings.encoder_call_max_items
-        )
+        self._encoder.reconfigure(settings)
         self._settings = settings
         self._state.limits = await asyncio.to_thread(_effective_limits, settings)
         self._timer_wake.set()
@@ -148,10 +144,7 @@ class EmbeddingRegistry(RankCalls):
         stats["max_staged_bytes"] = self._state.limits.max_staged_bytes
         stats["waiting_calls"] = sum(self._waiting.values())
         stats["encodes_in_flight"] = len(self._encode_tasks)
-        return {**stats, **self._submit_totals(), **self._encoder.stats()}
-
-    def _submit_totals(self) -> dict[str, int]:
-        return {"submit_calls_total": self._submit_calls, "submitted_requests_total": self._submitted}
+        return {**stats, **self._submits, **self._encoder.stats()}
 
     # --- ingress ------------------------------------------------------------------
 
@@ -163,8 +156,7 @@ class EmbeddingRegistry(RankCalls):
         With ``wait`` it returns once the entry left ``pending``; a failed, cancelled
         or expired outcome raises that error. ``items`` are ``registry.media_input(bytes)``.
         """
-        self._submit_calls += 1
-        self._submitted += 1
+        self._count_submits(1)
         entry = self._accept(req_id, items, digest, receive_count)
         self._submitters[req_id] += 1
         try:
@@ -192,8 +184,7 @@ class EmbeddingRegistry(RankCalls):
         refused it alone."""
         if not isinstance(requests, list) or len(requests) > MAX_SUBMITS_PER_CALL:
             raise InvalidRequest(f"submit_many takes a list of at most {MAX_SUBMITS_PER_CALL} requests")
-        self._submit_calls += 1
-        self._submitted += len(requests)
+        self._count_submits(len(requests))
         out: list[Any] = []
         for request in requests:
             try:
@@ -205,6 +196,10 @@ class EmbeddingRegistry(RankCalls):
             except RegistryError as exc:
                 out.append(exc.fresh())
         return out
+
+    def _count_submits(self, requests: int) -> None:
+        self._submits["submit_calls_total"] += 1
+        self._submits["submitted_requests_total"] += requests
 
     def _accept(self, req_id: str, items: list[MediaInput], digest: str, receive_count: int | None) -> Entry:
         """The entry for this request: created (its encode started) or the live one joined."""
@@ -351,7 +346,7 @@ class EmbeddingRegistry(RankCalls):
             self._metrics.flush()
             if self._metrics_stale:
                 self._metrics_stale = False
-                self._metrics.sync({**self._state.stats(time.time()), **self._encoder.stats(), **self._submit_totals()})
+                self._metrics.sync({**self._state.stats(time.time()), **self._encoder.stats(), **self._submits})
 
     async def _expire_loop(self) -> None:
         while True:

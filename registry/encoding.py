@@ -34,6 +34,7 @@ from registry.cache import EncoderCache
 from registry.encoder_calls import EncoderCalls
 from registry.errors import EncodeFailed, Overloaded, RegistryError, Unavailable, unwrap
 from registry.inputs import INLINE_MAX_BYTES, MediaInput
+from registry.settings import RegistrySettings
 from registry.state import StagedItem
 
 
@@ -69,21 +70,24 @@ class _Shared:
 
 
 class EncoderClient:
-    def __init__(self, app: str, deployment: str, cache_max_bytes: int, call_max_items: int):
-        self._target = (app, deployment)
+    """The registry's way to the Encoder deployment its ``RegistrySettings`` name."""
+
+    def __init__(self, settings: RegistrySettings):
+        self._target = (settings.encoder_app, settings.encoder_deployment)
         self._handle: Any = None
         self._identity: asyncio.Task | None = None  # asks the Encoder for its model identity, once
-        self.cache = EncoderCache(cache_max_bytes)
-        self._calls = EncoderCalls(self._deployment, call_max_items)
+        self.cache = EncoderCache(settings.cache_max_bytes)
+        self._calls = EncoderCalls(self._deployment, settings.encoder_call_max_items)
         self._inflight: dict[str, _Shared] = {}
         self.joined = 0  # items that joined an identical item's encode in flight
 
-    def reconfigure(self, app: str, deployment: str, cache_max_bytes: int, call_max_items: int) -> None:
-        if (app, deployment) != self._target:
-            self._target, self._handle, self._identity = (app, deployment), None, None
+    def reconfigure(self, settings: RegistrySettings) -> None:
+        target = (settings.encoder_app, settings.encoder_deployment)
+        if target != self._target:
+            self._target, self._handle, self._identity = target, None, None
             self.cache.clear()
-        self.cache.max_bytes = cache_max_bytes
-        self._calls.max_items = call_max_items
+        self.cache.max_bytes = settings.cache_max_bytes
+        self._calls.max_items = settings.encoder_call_max_items
         self._identity = None  # a (re)deploy may have changed the model: ask again
 
     async def encode(self, req_id: str, index: int, item: MediaInput) -> StagedItem:
