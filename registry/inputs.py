@@ -27,6 +27,7 @@ from typing import Any
 import ray
 
 from encoder.hashing import media_digest
+from encoder.media import MediaError
 from encoder.types import Media, Video
 
 # Ray sends call arguments up to this size inside the call (its
@@ -55,8 +56,6 @@ def ref_input(ref: Any, max_bytes: int, timeout_s: float) -> MediaInput:
     once to hash and check them (a copy in this process's memory, not in the store), then
     passed on as that ref when large, so the store holds them once. Blocking; raises
     ``MediaError`` for anything that is not readable image bytes within the limit."""
-    from encoder.media import MediaError
-
     try:
         data = ray.get(ref, timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
