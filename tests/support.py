@@ -14,6 +14,7 @@ import time
 from typing import Any, Callable
 
 import numpy as np
+import pytest
 import ray
 from PIL import Image
 
@@ -68,6 +69,16 @@ def media_server(files: dict[str, bytes]):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def shown_ratio(num: float, den: float, places: int = 3, den_terms: int = 1, ratio_places: int = 2) -> Any:
+    """``num / den`` as a report shows it: its ratios come from the unrounded values,
+    while ``num`` and ``den`` (a sum of ``den_terms`` values) are shown rounded to
+    ``places``. Leaves room for both roundings, so a small denominator cannot fail a check."""
+    ratio = num / den
+    half = 0.5 * 10**-places
+    room = ratio * (half / num + den_terms * half / den) * 1.01 + 0.5 * 10**-ratio_places + 1e-9
+    return pytest.approx(ratio, abs=room)
 
 
 def registry_settings(name: str, namespace: str = "epd-tests", encoder_app: str = "epd", **app_args: Any):
