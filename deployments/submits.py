@@ -75,7 +75,7 @@ class SubmitBatcher:
         try:
             answers = await self._call_shard(shard, "submit_many", [request for request, _ in batch])
         except RegistryError as exc:  # the call failed: so did every request in it
-            answers = [type(exc)(exc.message, request[0], exc.details) for request, _ in batch]
+            answers = [exc.fresh(req_id=request[0]) for request, _ in batch]
         for (_, answer), value in zip(batch, answers, strict=True):
             _settle(answer, value)
 

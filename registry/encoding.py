@@ -42,7 +42,7 @@ def encode_error(exc: BaseException, req_id: str, index: int) -> RegistryError:
     """Map whatever one item's encode raised to a registry error naming the item."""
     exc = unwrap(exc)
     if isinstance(exc, RegistryError):
-        return type(exc)(f"items[{index}]: {exc.message}", req_id, exc.details)
+        return exc.fresh(message=f"items[{index}]: {exc.message}", req_id=req_id)
     if isinstance(exc, BackPressureError):  # the Encoder's max_queued_requests was hit
         return Overloaded(f"items[{index}]: the encoder queue is full; retry later", req_id)
     if isinstance(exc, (DeploymentUnavailableError, RayServeException)):
@@ -84,7 +84,7 @@ class EncoderClient:
     def reconfigure(self, settings: RegistrySettings) -> None:
         target = (settings.encoder_app, settings.encoder_deployment)
         if target != self._target:
-            self._target, self._handle, self._identity = target, None, None
+            self._target, self._handle = target, None
             self.cache.clear()
         self.cache.max_bytes = settings.cache_max_bytes
         self._calls.max_items = settings.encoder_call_max_items

@@ -45,14 +45,15 @@ class RegistryError(Exception):
     def public_message(self) -> str:
         return self.message
 
-    def fresh(self) -> "RegistryError":
-        """A new instance with the same arguments and no traceback or context.
+    def fresh(self, **changes: Any) -> "RegistryError":
+        """A new instance with the same arguments (or those of ``message``, ``req_id``,
+        ``details`` given in ``changes``) and no traceback or context.
 
         Store or re-raise this, never an exception that was raised: its traceback
         pins the frames it passed through, with their locals (ObjectRefs, request
         bytes), for as long as the exception is kept.
         """
-        return type(self)(*self.args)
+        return type(self)(**dict(zip(("message", "req_id", "details"), self.args), **changes))
 
 
 class InvalidRequest(RegistryError):
