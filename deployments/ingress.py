@@ -9,7 +9,8 @@ entry. Requests that need not wait for staging share registry calls
 
 Errors: every failure is a ``RegistryError``; HTTP clients get the error body
 of ``deployments.http_api``; handle callers get the exception itself. The routes
-for decoder ranks outside Ray and the listing are ``deployments.decoder_routes``'.
+for decoder ranks outside Ray and the listing are ``deployments.decoder_routes``';
+SGLang's encoder protocol, under ``/sglang``, is ``deployments.sglang_routes``'.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the route methods'
@@ -28,6 +29,7 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.config import AppConfig
 from deployments.decoder_routes import DecoderRoutes
+from deployments.sglang_routes import SglangRoutes
 from deployments.http_api import ERROR_RESPONSES, api, as_registry_error, log_once, logger, read_json
 from deployments.schemas import EncodeRequest, RequestState, parse_encode_request
 from deployments.submits import SubmitBatcher
@@ -45,7 +47,7 @@ _HEALTH_TIMEOUT_S = 5.0
 
 @serve.deployment(name="Ingress", max_ongoing_requests=512, ray_actor_options={"num_cpus": 0.25})
 @serve.ingress(api)
-class Ingress(DecoderRoutes):
+class Ingress(DecoderRoutes, SglangRoutes):
     def __init__(self, encoder: DeploymentHandle, config: dict[str, Any]):
         quiet_client_errors()
         self._config = AppConfig.model_validate(config)
@@ -55,6 +57,7 @@ class Ingress(DecoderRoutes):
         self._encoder = encoder
         self._push_networks = self._config.push_networks()
         self._pusher = ZmqPusher()
+        self._sglang_parts: set[asyncio.Task] = set()  # SGLang parts being served
         # The registry calls the Encoder this replica was bound to (it must own the results).
         self._settings = self._config.registry_settings(encoder.app_name, encoder.deployment_name)
         self._shards = get_or_create_shards(self._settings)
@@ -136,35 +139,37 @@ class Ingress(DecoderRoutes):
         return await self._call(req_id, "describe", wait_s)
 
     async def _encode(self, request: EncodeRequest) -> dict[str, Any]:
+        items = [item.model_dump() for item in request.items]
+        return await self._stage(request.req_id or uuid.uuid4().hex, items, request.receive_count, request.wait)
+
+    async def _stage(self, req_id: str, items: list[dict[str, Any]], receive_count: int | None, wait: bool) -> dict[str, Any]:
+        """Unwrap, hash and store ``items`` (request items as dicts), hand them to the registry."""
         cfg = self._config
-        req_id = request.req_id or uuid.uuid4().hex
-        if len(request.items) > cfg.max_items_per_request:
-            raise InvalidRequest(
-                f"{len(request.items)} items in one request; the limit is {cfg.max_items_per_request}", req_id
-            )
+        if len(items) > cfg.max_items_per_request:
+            raise InvalidRequest(f"{len(items)} items in one request; the limit is {cfg.max_items_per_request}", req_id)
 
         def prepare(item: dict[str, Any]) -> MediaInput:
             if item["type"] == "image_ref":  # the caller's stored bytes, passed on unread
                 return ref_input(item["image_ref"], cfg.max_item_bytes, cfg.fetch_timeout_s)
             return media_input(item_media(item, self._media_policy, cfg.max_video_frames))
 
-        async def unwrap_item(index: int, item: Any) -> MediaInput:
+        async def unwrap_item(index: int, item: dict[str, Any]) -> MediaInput:
             try:
                 # Threads: decoding base64, hashing and fetching URLs block, and items of a
                 # request go in parallel.
-                return await asyncio.to_thread(prepare, item.model_dump())
+                return await asyncio.to_thread(prepare, item)
             except MediaError as exc:
                 raise InvalidRequest(f"items[{index}]: {exc}", req_id) from None
 
-        logger.debug("req_id=%s received: %d items, receive_count=%s", req_id, len(request.items), request.receive_count)
-        inputs = await asyncio.gather(*(unwrap_item(i, item) for i, item in enumerate(request.items)))
+        logger.debug("req_id=%s received: %d items, receive_count=%s", req_id, len(items), receive_count)
+        inputs = await asyncio.gather(*(unwrap_item(i, item) for i, item in enumerate(items)))
         digest = hashlib.sha256()
         for item in inputs:  # what a retry must repeat to join this request: every item's content
             digest.update(item.digest.encode())
-        items, key = list(inputs), digest.hexdigest()
-        if request.wait:
-            return await self._call(req_id, "submit", items, key, request.receive_count, True)
-        return await self._submits.submit(self._shards.index(req_id), (req_id, items, key, request.receive_count))
+        media, key = list(inputs), digest.hexdigest()
+        if wait:
+            return await self._call(req_id, "submit", media, key, receive_count, True)
+        return await self._submits.submit(self._shards.index(req_id), (req_id, media, key, receive_count))
 
     # --- HTTP ---------------------------------------------------------------------
 

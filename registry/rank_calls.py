@@ -1,5 +1,6 @@
 """The registry actor's calls for decoder ranks: fetch (one or many), peek and acknowledge
-(a push outside Ray), the batched ``states`` query and the ``watch`` long poll, and
+(a push outside Ray), ``claim`` and ``endpoints`` (ranks known by their endpoint, as
+SGLang's run), the batched ``states`` query and the ``watch`` long poll, and
 ``report_lost``.
 
 ``RankCalls`` is a base class of ``registry.actor.EmbeddingRegistry``, kept apart
@@ -22,7 +23,7 @@ import ray
 from registry.errors import InvalidRequest, NotReady, RegistryError, Unavailable
 from registry.logs import get_logger
 from registry.settings import MAX_WAIT_S
-from registry.state import STAGED, FetchResult, StagedItem
+from registry.state import LIVE_STATES, OPEN, STAGED, FetchResult, StagedItem, ended_error
 
 logger = get_logger("registry.actor")  # the actor's own lines: one logger for the whole registry
 
@@ -130,6 +131,74 @@ class RankCalls:
         pushed_at = self._pushes.pop((req_id, rank), None) if transport == "zmq" else None
         result = await self._receive(req_id, rank, timeout_s, transport, started=pushed_at)
         return {"req_id": req_id, "rank": rank, "released": result.released}
+
+    async def claim(self, req_id: str, endpoint: str, receive_count: int, wait_s: float) -> dict[str, Any]:
+        """Register ``endpoint`` as one of ``req_id``'s ``receive_count`` ranks (SGLang's
+        ``/scheduler_receive_url``): the first claim fixes the count of an entry accepted
+        with it ``OPEN``; a repeated claim gets the same rank. Waits up to ``wait_s`` while
+        ``req_id`` is unknown (a rank may register before its encode arrives); an ended
+        entry's error is raised at once. Returns ``{"req_id", "rank", "receive_count"}``.
+        """
+        self._check_owned(req_id)
+        if not isinstance(endpoint, str) or not endpoint:
+            raise InvalidRequest(f"endpoint must be a non-empty string, got {endpoint!r}", req_id)
+        deadline = time.monotonic() + check_wait(wait_s, "wait_s", req_id)
+        while True:
+            try:
+                rank = self._state.claim(req_id, endpoint, receive_count, time.time())
+            except RegistryError as exc:
+                self._count_error(exc)
+                raise
+            if rank is not None:
+                self._changed_now(req_id)  # the encode waiting for its ranks' endpoints
+                return {"req_id": req_id, "rank": rank, "receive_count": receive_count}
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                error = NotReady(f"req_id {req_id} did not reach the encoder within {wait_s}s of its rank registering", req_id)
+                self._count_error(error)
+                raise error
+            await self._wait_change(req_id, remaining)
+
+    async def endpoints(self, req_id: str, wait_s: float) -> dict[str, Any]:
+        """Wait up to ``wait_s`` until every rank of ``req_id`` claimed its endpoint, or the
+        entry ended: ``{"state", "receive_count", "endpoints": {endpoint: rank}, "error"}``
+        (``error``: what an ended entry's ranks are told, else None). ``not_ready`` if
+        ranks are still missing then; ``unknown_request`` if ``req_id`` is not known."""
+        self._check_owned(req_id)
+        deadline = time.monotonic() + check_wait(wait_s, "wait_s", req_id)
+        while True:
+            try:
+                entry = self._state.get(req_id, time.time())
+            except RegistryError as exc:
+                self._count_error(exc)
+                raise
+            complete = entry.receive_count != OPEN and len(entry.endpoints) == entry.receive_count
+            if complete or entry.state not in LIVE_STATES:
+                error = None if entry.state in LIVE_STATES else ended_error(entry)
+                return {"state": entry.state, "receive_count": entry.receive_count,
+                        "endpoints": dict(entry.endpoints), "error": error}
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                error = NotReady(
+                    f"req_id {req_id}: {len(entry.endpoints)} of its {entry.receive_count or 'unknown number of'} "
+                    f"ranks registered within {wait_s}s",
+                    req_id,
+                )
+                self._count_error(error)
+                raise error
+            await self._wait_change(req_id, remaining)
+
+    async def refuse(self, req_id: str, error: RegistryError) -> bool:
+        """Record that ``req_id`` was refused before the registry accepted it (bad media, say),
+        so ranks waiting for it get ``error`` instead of waiting out their timeout. False
+        when the registry knows ``req_id`` already: its own record stands."""
+        self._check_owned(req_id)
+        if not isinstance(error, RegistryError):
+            raise InvalidRequest("refuse takes the RegistryError the request was refused with", req_id)
+        refused = self._state.refuse(req_id, error, time.time())
+        if refused:
+            self._changed_now(req_id)
+        return refused
 
     async def states(self, req_ids: list[str]) -> dict[str, str]:
         """The state of each req_id (an entry's, a tombstone's, or ``"unknown"``), in one call."""

@@ -7,6 +7,7 @@ One ``Entry`` per ``req_id``::
                       staged  --lose---> failed   (its objects died with their node)
            pending | staged --cancel---> cancelled
            pending | staged --expire---> expired
+    (new) --refuse--> failed   (refused before it was accepted, so its ranks learn why)
 
 ``released``, ``expired``, ``cancelled`` and ``failed`` are terminal: the entry
 drops its object refs at once and stays only as a *tombstone* (metadata, no refs)
@@ -20,6 +21,12 @@ Rules:
   ranks ``0 .. receive_count-1``. Release happens exactly when the last distinct
   rank fetches; a repeated fetch by a rank returns the same items and does not
   count again.
+* Ranks known by endpoint (SGLang's protocol: each TP rank registers its receive
+  URL and the count): an entry accepted with ``receive_count`` ``OPEN`` takes its
+  count from the first ``claim``, which may come before the accept; each distinct
+  endpoint claims the next rank number, a repeated claim gets the same one, a
+  claim with another count or past the count is refused, a claim of an ended
+  entry gets that entry's error at once.
 * Deadlines: a pending entry expires ``encode_timeout_s`` after accept; a staged
   entry ``ttl_s`` after staging. ``expire_due`` applies them.
 * Admission: a *new* request is refused with ``overloaded`` while ``max_pending_requests``
@@ -83,6 +90,8 @@ LIVE_STATES = (PENDING, STAGED)
 TERMINAL_STATES = (RELEASED, EXPIRED, CANCELLED, FAILED)
 # Most entries one page of ``list_entries`` holds (the registry's and the HTTP route's bound).
 MAX_LIST_LIMIT = 1000
+# The receive_count of an entry whose ranks will say how many they are (``claim``).
+OPEN = 0
 
 _ALLOWED = {
     PENDING: {STAGED, FAILED, CANCELLED, EXPIRED},
@@ -130,6 +139,8 @@ class Entry:
     items: list[StagedItem] | None = None  # set only while staged
     metas: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     received: dict[int, float] = dataclasses.field(default_factory=dict)  # rank -> first fetch
+    endpoints: dict[str, int] = dataclasses.field(default_factory=dict)  # claimed endpoint -> rank
+    open_count: bool = False  # accepted with receive_count OPEN: the ranks' claims fix it
     staged_at: float | None = None
     ended_at: float | None = None
     error: RegistryError | None = None
@@ -179,15 +190,17 @@ class RegistryState:
     # --- ingress ------------------------------------------------------------------
 
     def accept(self, req_id: str, digest: str, receive_count: int, now: float) -> tuple[Entry, bool]:
-        """Create a pending entry, or return the live one for a retry. -> (entry, created)."""
-        if not 1 <= receive_count <= self.limits.max_receive_count:
+        """Create a pending entry, or return the live one for a retry. -> (entry, created).
+        ``receive_count`` ``OPEN``: the ranks' first ``claim`` fixes it."""
+        if receive_count != OPEN and not 1 <= receive_count <= self.limits.max_receive_count:
             raise InvalidRequest(
                 f"receive_count must be between 1 and {self.limits.max_receive_count}, got {receive_count}",
                 req_id,
             )
         live = self._live.get(req_id)
         if live is not None:
-            if live.digest != digest or live.receive_count != receive_count:
+            asked = OPEN if live.open_count else live.receive_count
+            if live.digest != digest or asked != receive_count:
                 raise Conflict(
                     f"req_id {req_id} is already {live.state} with different items or receive_count; "
                     "use a new req_id for a different request",
@@ -201,7 +214,7 @@ class RegistryState:
         self._admit(req_id)
         if ended is not None:
             del self._ended[req_id]  # failed/expired/cancelled: a fresh attempt is allowed
-        entry = Entry(req_id, digest, receive_count, created_at=now)
+        entry = Entry(req_id, digest, receive_count, created_at=now, open_count=receive_count == OPEN)
         self._live[req_id] = entry
         self._live_counts[PENDING] += 1
         self._set_deadline(entry, now + self.limits.encode_timeout_s)
@@ -277,6 +290,19 @@ class RegistryState:
         self._end(entry, FAILED, now)
         return True
 
+    def refuse(self, req_id: str, error: RegistryError, now: float) -> bool:
+        """Record that ``req_id`` was refused before it was accepted: a ``failed`` tombstone
+        with ``error``, so ranks waiting for it (``claim``, ``fetch``) learn why at once.
+        False if the registry knows ``req_id`` already (live or ended): its record stands."""
+        self._prune(now)
+        if req_id in self._live or req_id in self._ended:
+            return False
+        entry = Entry(req_id, "", OPEN, created_at=now, state=FAILED, error=error.fresh(), ended_at=now)
+        self._ended[req_id] = entry
+        self.totals[FAILED] += 1
+        self._prune(now)
+        return True
+
     def lose(self, req_id: str, error: RegistryError, now: float) -> bool:
         """End staged ``req_id`` ``failed`` with ``error`` because its objects are gone.
 
@@ -307,7 +333,10 @@ class RegistryState:
             entry = self._ended.get(req_id)
             if entry is None:
                 return None
-        if rank >= entry.receive_count:
+        if entry.receive_count == OPEN:
+            if entry.state in LIVE_STATES:
+                raise InvalidRank(f"req_id {req_id} has no receive_count yet: its ranks claim their endpoints first", req_id)
+        elif rank >= entry.receive_count:
             raise InvalidRank(
                 f"rank {rank} is out of range: req_id {req_id} has receive_count={entry.receive_count}, "
                 f"so ranks are 0..{entry.receive_count - 1}",
@@ -326,6 +355,41 @@ class RegistryState:
             return FetchResult(items, released=False)
         self._end(entry, RELEASED, now)
         return FetchResult(items, released=True)
+
+    def claim(self, req_id: str, endpoint: str, receive_count: int, now: float) -> int | None:
+        """The rank number of ``endpoint`` among ``req_id``'s ranks (claimed now if new);
+        None: ``req_id`` is not known yet (the caller waits for its accept)."""
+        if isinstance(receive_count, bool) or not isinstance(receive_count, int) or not (
+            1 <= receive_count <= self.limits.max_receive_count
+        ):
+            raise InvalidRequest(
+                f"receive_count must be between 1 and {self.limits.max_receive_count}, got {receive_count!r}", req_id
+            )
+        entry = self._live.get(req_id)
+        if entry is None:
+            self._prune(now)
+            ended = self._ended.get(req_id)
+            if ended is None:
+                return None
+            raise ended_error(ended)
+        if entry.receive_count == OPEN:
+            entry.receive_count = receive_count
+        elif entry.receive_count != receive_count:
+            raise InvalidRequest(
+                f"Inconsistent receive_count for req_id {req_id}: its ranks registered "
+                f"{entry.receive_count}, this one {receive_count}",
+                req_id,
+            )
+        rank = entry.endpoints.get(endpoint)
+        if rank is None:
+            if len(entry.endpoints) >= entry.receive_count:
+                raise InvalidRank(
+                    f"req_id {req_id} has all its {entry.receive_count} ranks registered "
+                    f"({', '.join(entry.endpoints)}); {endpoint} would be one too many",
+                    req_id,
+                )
+            rank = entry.endpoints[endpoint] = len(entry.endpoints)
+        return rank
 
     # --- timer --------------------------------------------------------------------
 
