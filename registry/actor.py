@@ -54,6 +54,9 @@ logger = get_logger(__name__)
 MAX_SUBMITS_PER_CALL = 1024
 # Ray's metrics are scraped every few seconds; the table's gauges are published this often.
 _METRICS_PERIOD_S = 0.5
+# A background loop that died is started again after this long (not at once: a loop that
+# keeps failing must not spin).
+_RESTART_DELAY_S = 1.0
 
 
 def _effective_limits(settings: RegistrySettings) -> Limits:
@@ -334,9 +337,24 @@ class EmbeddingRegistry(RankCalls):
 
     def _ensure_background_tasks(self) -> None:
         if self._timer is None or self._timer.done():
-            self._timer = asyncio.create_task(self._expire_loop())
+            self._timer = self._supervised(self._expire_loop(), "expiry timer")
         if self._publisher is None or self._publisher.done():
-            self._publisher = asyncio.create_task(self._publish_loop())
+            self._publisher = self._supervised(self._publish_loop(), "metrics publisher")
+
+    def _supervised(self, loop: Any, name: str) -> asyncio.Task:
+        """``loop`` as a task that, should it ever end with an error, is logged with its
+        traceback and started again: a silent death would stop expiry (and every waiter
+        counting on it) with no sign."""
+        task = asyncio.create_task(loop)
+
+        def done(task: asyncio.Task) -> None:
+            if task.cancelled():
+                return
+            logger.error("the registry's %s died; restarting it in %.0f s", name, _RESTART_DELAY_S, exc_info=task.exception())
+            asyncio.get_running_loop().call_later(_RESTART_DELAY_S, self._ensure_background_tasks)
+
+        task.add_done_callback(done)
+        return task
 
     async def _publish_loop(self) -> None:
         """The gauges and totals follow the table at most every ``_METRICS_PERIOD_S``:
@@ -357,13 +375,13 @@ class EmbeddingRegistry(RankCalls):
             except TimeoutError:
                 pass
             self._timer_wake.clear()
-            for req_id in self._state.expire_due(time.time()):
-                self._log_expiry(req_id)
-                self._changed_now(req_id)
+            for entry in self._state.expire_due(time.time()):
+                self._log_expiry(entry)
+                self._changed_now(entry.req_id)
                 self._timer_wake.clear()
 
-    def _log_expiry(self, req_id: str) -> None:
-        entry = self._state.get(req_id, time.time())
+    def _log_expiry(self, entry: Entry) -> None:
+        req_id = entry.req_id
         if entry.staged_at is None:
             logger.warning("req_id=%s expired pending: not encoded within encode_timeout_s", req_id)
             return

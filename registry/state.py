@@ -402,13 +402,16 @@ class RegistryState:
             heapq.heappop(self._deadlines)  # stale: entry ended or got a new deadline
         return None
 
-    def expire_due(self, now: float) -> list[str]:
-        """End every live entry whose deadline has passed; return their req_ids."""
+    def expire_due(self, now: float) -> list[Entry]:
+        """End every live entry whose deadline has passed; return them. Their tombstones
+        may already be pruned (``tombstone_ttl_s`` 0, ``max_tombstones`` reached): read
+        what happened from the entries returned, not from the table."""
         expired = []
         while (deadline := self.next_deadline()) is not None and deadline <= now:
             _, _, req_id = heapq.heappop(self._deadlines)
-            self._end(self._live[req_id], EXPIRED, now)
-            expired.append(req_id)
+            entry = self._live[req_id]
+            self._end(entry, EXPIRED, now)
+            expired.append(entry)
         self._prune(now)
         return expired
 

@@ -5,6 +5,7 @@ import hashlib
 import os
 import signal
 import time
+import uuid
 
 import pytest
 import ray
@@ -28,6 +29,29 @@ def _alive(pid):
     except ProcessLookupError:
         return False
     return True
+
+
+@pytest.mark.parametrize("limits", [{"tombstone_ttl_s": 0}, {"max_tombstones": 0}], ids=["no-tombstone-age", "no-tombstones"])
+def test_expiry_goes_on_when_tombstones_are_pruned_at_once(cluster, limits):
+    """The expiry timer outlives entries whose tombstones are gone as they end: every entry
+    expires on time, also those staged after the first expiry. (More expiries in one tick
+    than tombstones kept: ``tests/unit/test_state.py``, where a tick is under the test's control.)"""
+    settings = registry_settings(f"expiry_{uuid.uuid4().hex[:8]}", ttl_s=1.0, cache_max_bytes=0, **limits)
+    registry = get_or_create_registry(settings)
+    try:
+        for round_ in range(2):  # the second round expires only if the timer survived the first
+            req_ids = [f"exp-{round_}-{i}" for i in range(4)]
+            ray.get([
+                registry.submit.remote(r, [media_input(image_bytes(64, 64, seed=40 + 4 * round_ + i))], r, 2, True)
+                for i, r in enumerate(req_ids)
+            ])
+            rank0 = EmbeddingReceiver(0, registry_name=settings.name, registry_namespace=settings.namespace)
+            for req_id in req_ids:
+                rank0.fetch(req_id)
+            wait_until(lambda: ray.get(registry.stats.remote())["staged"] == 0, 10, what=f"round {round_} to expire")
+            assert ray.get(registry.stats.remote())["expired_total"] == 4 * (round_ + 1)
+    finally:
+        ray.kill(registry)
 
 
 @pytest.mark.slow

@@ -117,7 +117,7 @@ def test_staged_entry_expires_after_ttl(state):
     state.fetch("r", 0, 2.0)
     assert state.next_deadline() == 11.0
     assert state.expire_due(10.9) == []
-    assert state.expire_due(11.0) == ["r"]
+    assert [e.req_id for e in state.expire_due(11.0)] == ["r"]
     with pytest.raises(Expired) as info:
         state.fetch("r", 1, 12.0)
     assert info.value.details["received_ranks"] == [0]
@@ -127,7 +127,7 @@ def test_staged_entry_expires_after_ttl(state):
 def test_pending_entry_expires_after_encode_timeout_and_late_result_is_dropped(state):
     entry, _ = state.accept("r", "d", 1, 0.0)
     assert state.next_deadline() == 5.0
-    assert state.expire_due(5.0) == ["r"]
+    assert [e.req_id for e in state.expire_due(5.0)] == ["r"]
     assert state.stage(entry, staged_items(), 6.0) is False
     assert state.fail(entry, EncodeFailed("boom", "r"), 6.0) is False
     assert state.get("r", 6.0).state == "expired"
@@ -317,3 +317,18 @@ def test_listing_pages_in_req_id_order_over_entries_and_tombstones(state):
     page, more = state.list_entries("staged", None, 10, 1.0)
     assert [e.req_id for e in page] == ["c", "e"] and not more
     assert state.list_entries("expired", None, 10, 1.0) == ([], False)
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [{"tombstone_ttl_s": 0}, {"max_tombstones": 0}, {"max_tombstones": 2}],
+    ids=["no-tombstone-age", "no-tombstones", "more-expiries-in-a-tick-than-tombstones"],
+)
+def test_expire_due_returns_every_entry_it_ended_even_when_its_tombstone_is_gone(changed):
+    state = RegistryState(limits(ttl_s=10, encode_timeout_s=5, **changed))
+    for i in range(4):
+        stage_new(state, f"r{i}", now=0.0)
+        state.fetch(f"r{i}", 0, 1.0)
+    expired = state.expire_due(10.0)  # all four in one tick
+    assert [(e.req_id, e.state, sorted(e.received)) for e in expired] == [(f"r{i}", "expired", [0]) for i in range(4)]
+    assert state.stats(10.0)["expired_total"] == 4 and state.stats(10.0)["tombstones"] <= changed.get("max_tombstones", 4)

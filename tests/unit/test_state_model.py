@@ -165,7 +165,7 @@ class RegistryRules(RuleBasedStateMachine):
     def advance_clock(self, seconds):
         self.now += seconds
         due = sorted(r for r, e in self.live.items() if e["deadline"] <= self.now)
-        expired = self.state.expire_due(self.now)
+        expired = [entry.req_id for entry in self.state.expire_due(self.now)]
         assert sorted(expired) == due
         for req_id in expired:  # entries due together end in the registry's order (tombstones age by it)
             self._end(req_id, "expired")
