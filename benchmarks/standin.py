@@ -10,7 +10,9 @@ object store for the caller, the registry, which owns it.
 
 Used by the fetch, staging and registry sections, which measure the staging
 and transport of embeddings, not a model. The media bytes name the output size:
-``b"standin:<nbytes>:<nonce>"`` (the nonce makes every item's hash unique).
+``b"standin:<nbytes>:<nonce>"`` (the nonce makes every item's hash unique), or,
+where a route takes only images (SGLang's), a PNG whose height is the rows
+(``image_media``).
 Batches run as soon as the previous one is done (``batch_wait_timeout_s`` 0),
 so no batching delay is added before the "forward pass".
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import time
 import uuid
 from typing import Any, Iterator, Sequence
@@ -29,6 +32,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import ray
 import torch
+from PIL import Image
 from ray import serve
 
 from benchmarks.cluster import local_cluster, run_token, start_serve
@@ -54,6 +58,17 @@ def media(nbytes: int, nonce: str) -> bytes:
     return f"standin:{nbytes}:{nonce}".encode()
 
 
+def image_media(nbytes: int, seed: int) -> bytes:
+    """A PNG that makes the stand-in return an embedding of ``nbytes``: one pixel row per
+    embedding row, random pixels (``seed``) so every image's hash differs."""
+    if nbytes % _ROW_BYTES:
+        raise ValueError(f"stand-in sizes are whole rows of {_ROW_BYTES} bytes, got {nbytes}")
+    pixels = np.random.default_rng(seed).integers(0, 256, (nbytes // _ROW_BYTES, 16, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
 class StandInModel(VisionEncoder):
     """A ``VisionEncoder`` whose embeddings are ready-made: ``nbytes`` from the media -> that tensor."""
 
@@ -67,7 +82,10 @@ class StandInModel(VisionEncoder):
         self.tensors = {n: torch.randn(n // _ROW_BYTES, WIDTH, generator=generator).to(torch.bfloat16) for n in sizes}
 
     def preprocess(self, data: bytes) -> PreparedItem:
-        nbytes = int(data.split(b":")[1])
+        if data.startswith(b"\x89PNG"):
+            nbytes = Image.open(io.BytesIO(data)).size[1] * _ROW_BYTES
+        else:
+            nbytes = int(data.split(b":")[1])
         return PreparedItem(pixels=_EMPTY, mm_hash=self.mm_hash(data), meta={}, batch_key=(nbytes,))
 
     def embed(self, items: Sequence[PreparedItem]) -> list[torch.Tensor]:

@@ -6,9 +6,10 @@ http://HOST:8000/sglang`` uses the service as its encoder (the protocol is in
 with SGLang's ranks counted by the registry's rules:
 
 * ``POST /sglang/encode`` stages the part with ``receive_count`` open (the ranks say
-  how many they are), waits until every rank registered, pushes the part to each
-  rank's PULL socket, and counts each rank once its push was handed to ZMQ: the last
-  one releases the entry. Then it answers ``200 null``, as SGLang's own encoder does.
+  how many they are), waits until it is staged and every rank registered (one
+  registry call), pushes the part to each rank's PULL socket, and counts each rank
+  once its push was handed to ZMQ: the last one releases the entry. Then it answers
+  ``200 null``, as SGLang's own encoder does.
   With ``embedding_port`` (``zmq_to_tokenizer``) the part has one receiver, the
   tokenizer. The work runs on if the HTTP client leaves, so ranks are never left
   half-served.
@@ -45,10 +46,9 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 
 
 def _error(exc: RegistryError, req_id: str | None) -> JSONResponse:
-    """SGLang's error body; a 5xx message masked as everywhere else in the service."""
+    """SGLang's error body, with what the ranks are told (a 5xx message masked)."""
     log_once(exc)
-    code = wire.status(exc.code)
-    message = exc.public_message() if code >= 500 else exc.message
+    message, code = wire.rank_error(exc)
     return JSONResponse({"status": "error", "message": message, "req_id": req_id}, status_code=code)
 
 
@@ -128,15 +128,14 @@ class SglangRoutes:
         req_id = part.req_id
         try:
             tokenizer = self._tokenizer_endpoint(part)
-            await self._stage(req_id, wire.image_items(part), 1 if tokenizer else OPEN, True)
+            await self._stage(req_id, wire.image_items(part), 1 if tokenizer else OPEN, False)
             if tokenizer is not None:
-                await self._deliver(part, {tokenizer: 0})
-                return
-            ranks = await self._call(req_id, "endpoints", self._sglang_wait_s)
-            if ranks["error"] is not None:  # ended (expired, cancelled) while its ranks registered
-                await self._tell_ranks(part, ranks["endpoints"], ranks["error"])
-                raise ranks["error"]
-            await self._deliver(part, ranks["endpoints"])
+                await self._call(req_id, "claim", tokenizer, 1, 0.0)
+            # One call: the registry answers once the part is staged and every rank registered.
+            ready = await self._call(req_id, "endpoints", self._sglang_wait_s)
+            if ready["error"] is not None:  # failed, expired or cancelled before delivery
+                raise ready["error"]
+            await self._deliver(part, ready["endpoints"], ready["items"])
         except RegistryError as exc:
             await self._on_failed_part(part, exc)
             raise
@@ -149,10 +148,9 @@ class SglangRoutes:
         endpoint = wire.tcp_endpoint(f"{part.prefill_host}:{port}", part.req_id)
         return check_endpoint(endpoint, self._push_networks, part.req_id)
 
-    async def _deliver(self, part: wire.EncodePart, ranks: dict[str, int]) -> None:
+    async def _deliver(self, part: wire.EncodePart, ranks: dict[str, int], pairs: list[tuple[dict[str, Any], Any]]) -> None:
         """Push the staged part to every rank's endpoint; count each rank whose push ZMQ took."""
         req_id = part.req_id
-        pairs = await self._call(req_id, "peek", 0, 0.0)
         message = wire.part_frames(part, await self._read_items(req_id, pairs))
 
         async def push_and_count(endpoint: str, rank: int) -> None:
@@ -177,6 +175,8 @@ class SglangRoutes:
             return  # the registry is not there: the ranks time out, as they would anyway
         if ranks["error"] is not None:  # ended: no rank will get the part (a failed push leaves it staged)
             await self._tell_ranks(part, ranks["endpoints"], error)
+        # A request the registry refused before accepting it is recorded above; its ranks
+        # registered so far were told here, later ones are told when they register.
 
     async def _tell_ranks(self, part: wire.EncodePart, endpoints: dict[str, int], error: RegistryError) -> None:
         frames = wire.error_frames(part.req_id, part.num_parts, part.part_idx, part.modality, error)

@@ -160,10 +160,12 @@ class RankCalls:
             await self._wait_change(req_id, remaining)
 
     async def endpoints(self, req_id: str, wait_s: float) -> dict[str, Any]:
-        """Wait up to ``wait_s`` until every rank of ``req_id`` claimed its endpoint, or the
-        entry ended: ``{"state", "receive_count", "endpoints": {endpoint: rank}, "error"}``
-        (``error``: what an ended entry's ranks are told, else None). ``not_ready`` if
-        ranks are still missing then; ``unknown_request`` if ``req_id`` is not known."""
+        """Wait up to ``wait_s`` until ``req_id`` can be delivered to ranks known by endpoint
+        (staged, and every rank claimed its endpoint) or it ended. Returns ``{"state",
+        "receive_count", "endpoints": {endpoint: rank}, "items", "error"}``: ``items`` the
+        (meta, ref) pairs of a deliverable entry, as ``peek`` gives them (no rank counted);
+        ``error`` what an ended entry's ranks are told. ``not_ready`` if it is neither by
+        then; ``unknown_request`` if ``req_id`` is not known."""
         self._check_owned(req_id)
         deadline = time.monotonic() + check_wait(wait_s, "wait_s", req_id)
         while True:
@@ -172,16 +174,18 @@ class RankCalls:
             except RegistryError as exc:
                 self._count_error(exc)
                 raise
-            complete = entry.receive_count != OPEN and len(entry.endpoints) == entry.receive_count
-            if complete or entry.state not in LIVE_STATES:
-                error = None if entry.state in LIVE_STATES else ended_error(entry)
-                return {"state": entry.state, "receive_count": entry.receive_count,
-                        "endpoints": dict(entry.endpoints), "error": error}
+            claimed = entry.receive_count != OPEN and len(entry.endpoints) == entry.receive_count
+            if (claimed and entry.state == STAGED) or entry.state not in LIVE_STATES:
+                ended = entry.state not in LIVE_STATES
+                return {"state": entry.state, "receive_count": entry.receive_count, "endpoints": dict(entry.endpoints),
+                        "items": None if ended else [(item.meta, item.ref if item.value is None else item.value)
+                                                     for item in entry.items or ()],
+                        "error": ended_error(entry) if ended else None}
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 error = NotReady(
-                    f"req_id {req_id}: {len(entry.endpoints)} of its {entry.receive_count or 'unknown number of'} "
-                    f"ranks registered within {wait_s}s",
+                    f"req_id {req_id} is {entry.state} with {len(entry.endpoints)} of its "
+                    f"{entry.receive_count or 'unknown number of'} ranks registered after {wait_s}s",
                     req_id,
                 )
                 self._count_error(error)

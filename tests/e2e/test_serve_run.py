@@ -1,11 +1,10 @@
-"""``serve run serve_config.yaml`` as a user runs it: a plain HTTP request, the decoder example, a redeploy."""
+"""``serve run serve_config.yaml`` as a user runs it (the session's ``service``): a plain HTTP request,
+the decoder example, a redeploy."""
 
 import itertools
 import json
 import os
 import pathlib
-import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,16 +14,11 @@ import httpx
 import pytest
 import yaml
 
+from serve_run import URL
 from support import image_bytes, image_item, wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-URL = "http://127.0.0.1:8000"  # serve_config.yaml's http_options
 DASHBOARD = "http://127.0.0.1:8265"  # the dashboard of the cluster `serve run` starts
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) != 0
 
 
 def _gcs_address(pgid: int) -> str | None:
@@ -47,45 +41,6 @@ def _gcs_address(pgid: int) -> str | None:
             if arg.startswith("--gcs-address="):
                 return arg.split("=", 1)[1]
     return None
-
-
-def _healthy() -> bool:
-    try:
-        return httpx.get(f"{URL}/health", timeout=5).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-@pytest.fixture(scope="module")
-def service(tmp_path_factory):
-    assert _port_free(8000), "port 8000 (serve_config.yaml) is taken; stop what uses it"
-    log_path = tmp_path_factory.mktemp("serve") / "serve_run.log"
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    serve_cli = pathlib.Path(sys.executable).parent / "serve"
-    with open(log_path, "wb") as log:
-        # Its own session: at the end we stop exactly this process group (never `ray stop`).
-        proc = subprocess.Popen(
-            [str(serve_cli), "run", "serve_config.yaml"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
-        try:
-            wait_until(lambda: proc.poll() is not None or _healthy(), 120, interval_s=0.5, what="a healthy service")
-        except AssertionError:
-            pytest.fail("serve run did not become healthy; its log ends:\n" + log_path.read_text()[-4000:])
-        assert proc.poll() is None, log_path.read_text()[-4000:]
-        yield proc
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # stragglers of the cluster serve run started
-        except ProcessLookupError:
-            pass
-        wait_until(lambda: _port_free(8000), 30, what="port 8000 to be released")
 
 
 def _curl(*args: str) -> dict:
