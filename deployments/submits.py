@@ -18,11 +18,15 @@ request, which one call for several could not do for each.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
-from registry.errors import RegistryError
+from registry.errors import RegistryError, Unavailable
+from registry.logs import get_logger
+
+logger = get_logger("deployments.ingress")  # the Ingress's lines
 
 # (req_id, items, digest, receive_count): what the registry's submit_many takes per request.
 Submit = tuple[str, list[Any], str, "int | None"]
@@ -66,18 +70,39 @@ class SubmitBatcher:
 
     async def _one(self, shard: int, request: Submit, answer: asyncio.Future) -> None:
         req_id = request[0]
-        try:
-            _settle(answer, await self._call_shard(shard, "submit", *request, False, req_id=req_id))
-        except RegistryError as exc:
-            _settle(answer, exc.fresh())
+        with _settled([answer]):
+            try:
+                _settle(answer, await self._call_shard(shard, "submit", *request, False, req_id=req_id))
+            except RegistryError as exc:
+                _settle(answer, exc.fresh())
 
     async def _many(self, shard: int, batch: list[tuple[Submit, asyncio.Future]]) -> None:
-        try:
-            answers = await self._call_shard(shard, "submit_many", [request for request, _ in batch])
-        except RegistryError as exc:  # the call failed: so did every request in it
-            answers = [exc.fresh(req_id=request[0]) for request, _ in batch]
-        for (_, answer), value in zip(batch, answers, strict=True):
-            _settle(answer, value)
+        with _settled([answer for _, answer in batch]):
+            try:
+                answers = await self._call_shard(shard, "submit_many", [request for request, _ in batch])
+            except RegistryError as exc:  # the call failed: so did every request in it
+                answers = [exc.fresh(req_id=request[0]) for request, _ in batch]
+            if not isinstance(answers, list) or len(answers) != len(batch):
+                raise RuntimeError(f"submit_many answered {type(answers).__name__} for {len(batch)} requests")
+            for (_, answer), value in zip(batch, answers, strict=True):
+                _settle(answer, value)
+
+
+@contextlib.contextmanager
+def _settled(answers: list[asyncio.Future]) -> Iterator[None]:
+    """Every caller gets an answer, whatever happens to the call: a bug's exception (logged
+    once here, with its traceback) or, if the call is cancelled, ``unavailable``. A caller
+    awaits its answer with no timeout of its own."""
+    try:
+        yield
+    except asyncio.CancelledError:
+        for answer in answers:
+            _settle(answer, Unavailable("the Ingress replica stopped before the registry answered; retry"))
+        raise
+    except Exception as exc:  # noqa: BLE001 - not the registry's answer: a bug
+        logger.error("a registry submit call failed unexpectedly", exc_info=exc)
+        for answer in answers:
+            _settle(answer, exc)
 
 
 def _settle(answer: asyncio.Future, value: Any) -> None:

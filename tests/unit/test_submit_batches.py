@@ -130,3 +130,28 @@ def test_invalid_request_from_the_registry_keeps_its_code():
     batcher = SubmitBatcher(refuse, max_requests=64)
     out = asyncio.run(gather_outcomes(batcher, [(0, request("a", 0)), (0, request("b", 0))]))
     assert [(o.code, o.req_id) for o in out] == [("invalid_request", "a"), ("invalid_request", "b")]
+
+
+class Broken(Registry):
+    """A registry call that fails with a bug (not a ``RegistryError``) or answers the wrong length."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+
+    async def __call__(self, shard, method, *args, req_id=None):
+        await asyncio.sleep(0)
+        if self.how == "short" and method == "submit_many":
+            return [self._answer(args[0][0])]
+        raise KeyError("a bug in the registry")
+
+
+@pytest.mark.parametrize(("how", "count"), [("bug", 1), ("bug", 3), ("short", 3)], ids=["bug-one", "bug-batched", "short-answer"])
+def test_every_caller_is_answered_when_a_call_fails_with_a_bug(how, count):
+    batcher = SubmitBatcher(Broken(how), max_requests=64)
+
+    async def run():
+        return await asyncio.wait_for(gather_outcomes(batcher, [(0, request(f"r{i}")) for i in range(count)]), 5)
+
+    outcomes = asyncio.run(run())  # no caller hangs
+    assert len(outcomes) == count and all(isinstance(o, (KeyError, RuntimeError)) for o in outcomes)
