@@ -286,7 +286,11 @@ class EmbeddingRegistry(RankCalls):
                 tasks = [group.create_task(self._encoder.encode(req_id, i, data)) for i, data in enumerate(items)]
             staged = [task.result() for task in tasks]
         except asyncio.CancelledError:
-            return  # the entry was cancelled or expired; the item calls were cancelled too
+            if asyncio.current_task().cancelling():
+                return  # the entry was cancelled or expired; the item calls were cancelled too
+            # Not this task: an item's call was cancelled under it. The entry must not wait
+            # for encode_timeout_s with nothing encoding it.
+            error = Unavailable(f"the encode of req_id {req_id} was cancelled under it; retry", req_id)
         except Exception as exc:  # noqa: BLE001 - every failure must end the entry
             first = exc.exceptions[0] if isinstance(exc, ExceptionGroup) else exc
             error = first if isinstance(first, RegistryError) else Unavailable(

@@ -99,24 +99,38 @@ class EncoderClient:
         cached = self.cache.get(key) if self.cache.max_bytes > 0 else None
         if cached is not None:
             return cached
-        shared = self._inflight.get(key)
-        if shared is None:
-            shared = self._inflight[key] = _Shared(asyncio.create_task(self._call(key, item.payload, req_id)))
-            shared.task.add_done_callback(lambda _: self._inflight.pop(key, None))
-        else:
-            self.joined += 1
-        shared.waiters += 1
-        try:
-            return await asyncio.shield(shared.task)
-        except asyncio.CancelledError:
-            if shared.waiters == 1:
-                shared.task.cancel()  # nobody else wants it: stop the model work
-            raise
-        except Exception as exc:  # noqa: BLE001
-            error = encode_error(exc, req_id, index)
-        finally:
-            shared.waiters -= 1
+        while True:
+            shared = self._shared(key, item, req_id)
+            shared.waiters += 1
+            try:
+                return await asyncio.shield(shared.task)
+            except asyncio.CancelledError:
+                if not asyncio.current_task().cancelling():
+                    continue  # not this waiter: the encode it joined was being cancelled; start another
+                if shared.waiters == 1:
+                    self._forget(key, shared)  # nobody else wants it: no one may join it now
+                    shared.task.cancel()  # and stop the model work
+                raise
+            except Exception as exc:  # noqa: BLE001
+                error = encode_error(exc, req_id, index)
+                break
+            finally:
+                shared.waiters -= 1
         raise error
+
+    def _shared(self, key: str, item: MediaInput, req_id: str) -> _Shared:
+        """The encode of ``key`` in flight, joined, or a new one."""
+        shared = self._inflight.get(key)
+        if shared is not None:
+            self.joined += 1
+            return shared
+        shared = self._inflight[key] = _Shared(asyncio.create_task(self._call(key, item.payload, req_id)))
+        shared.task.add_done_callback(lambda _: self._forget(key, shared))
+        return shared
+
+    def _forget(self, key: str, shared: _Shared) -> None:
+        if self._inflight.get(key) is shared:  # not a newer encode of the same key
+            del self._inflight[key]
 
     def stats(self) -> dict[str, int]:
         return {
