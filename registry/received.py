@@ -7,6 +7,7 @@ Ray-free (numpy and torch only), so receivers outside the Ray cluster
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +45,8 @@ def item_from_buffer(buffer: Any, meta: dict[str, Any]) -> ReceivedItem:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         tensor = torch.frombuffer(buffer, dtype=dtype)
+    if tensor.numel() != math.prod(shape):
+        raise ValueError(f"an item of shape {shape} holds {math.prod(shape)} {dtype_name} values; the bytes hold {tensor.numel()}")
     if tensor.data_ptr() % tensor.element_size():
         tensor = tensor.clone()
     return ReceivedItem(tensor.view(shape), meta)

@@ -91,6 +91,8 @@ def test_items_view_their_buffer_and_copy_only_when_misaligned():
     assert moved.data_ptr() % 4 == 0 and torch.equal(moved, values)
     with pytest.raises(ValueError, match="dtype"):
         item_from_buffer(raw, {"dtype": "int64", "shape": [4, 6]})
+    with pytest.raises(ValueError, match=r"shape \[4, 7\] holds 28 bfloat16 values; the bytes hold 24"):
+        item_from_buffer(raw, {"dtype": "bfloat16", "shape": [4, 7]})
 
 
 def test_the_receiver_turns_service_answers_into_the_service_errors():
@@ -125,7 +127,8 @@ def test_a_receiver_drops_whatever_is_not_an_item_of_its_delivery():
         try:
             good = json.dumps({"req_id": "r", "delivery": "d", "index": 0, "count": 1, "meta": meta}).encode()
             for junk in ([b"one frame"], [b"not json", b"x"], [b"[]", b"x"], [good.replace(b'"d"', b'"old"'), b"x"],
-                         [good.replace(b'"index": 0', b'"index": 7'), b"x"], [b"{}", b"x", b"x"]):
+                         [good.replace(b'"index": 0', b'"index": 7'), b"x"], [b"{}", b"x", b"x"],
+                         [good, tensor_to_payload(tensor).tobytes()[:8]]):  # bytes that do not fill its shape
                 push.send_multipart(junk)
             push.send_multipart([good, tensor_to_payload(tensor).tobytes()])
             items = rx._collect("r", "d", 1)
