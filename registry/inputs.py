@@ -25,6 +25,7 @@ import dataclasses
 from typing import Any
 
 import ray
+from ray.experimental import get_object_locations
 
 from encoder.hashing import media_digest
 from encoder.media import MediaError
@@ -51,15 +52,27 @@ def _nbytes(media: Media) -> int:
     return sum(len(f) for f in media.frames) if isinstance(media, Video) else len(media)
 
 
+# What Ray's serialization adds to a bytes object of the caller's (measured: 3 bytes).
+_SERIALIZATION_BYTES = 1024
+
+
 def ref_input(ref: Any, max_bytes: int, timeout_s: float) -> MediaInput:
     """The ``MediaInput`` of image bytes a caller stored already (``ray.put(data)``): read here
     once to hash and check them (a copy in this process's memory, not in the store), then
     passed on as that ref when large, so the store holds them once. Blocking; raises
     ``MediaError`` for anything that is not readable image bytes within the limit."""
+    late = MediaError(f"the image_ref was not readable within {timeout_s:g} s (is the task that makes it done?)")
     try:
+        # Its size first, from where it lives: one over the limit is refused unread.
+        ready, _ = ray.wait([ref], timeout=timeout_s, fetch_local=False)
+        if not ready:
+            raise late
+        size = get_object_locations([ref]).get(ref, {}).get("object_size")
+        if size is not None and size > max_bytes + _SERIALIZATION_BYTES:
+            raise MediaError(f"the image_ref holds {size} bytes; the limit is {max_bytes} bytes (it was not read)")
         data = ray.get(ref, timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
-        raise MediaError(f"the image_ref was not readable within {timeout_s:g} s (is the task that makes it done?)") from None
+        raise late from None
     except ray.exceptions.RayError as exc:
         raise MediaError(f"the image_ref cannot be read: {type(exc).__name__}") from None
     if not isinstance(data, bytes):

@@ -47,6 +47,9 @@ def test_a_large_ref_is_passed_on_and_a_small_one_read_inline(cluster):
 def test_ref_input_refuses_what_is_not_readable_image_bytes_in_time(cluster):
     with pytest.raises(MediaError, match="the limit is 10 bytes"):
         ref_input(ray.put(b"x" * 11), 10, 5.0)
+    # Far over the limit: refused from its size, never read into this process.
+    with pytest.raises(MediaError, match=r"holds \d+ bytes; the limit is 4096 bytes \(it was not read\)"):
+        ref_input(ray.put(b"x" * (1 << 20)), 4096, 5.0)
 
     @ray.remote(num_cpus=0)
     def slow() -> bytes:
