@@ -56,7 +56,8 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
-from ray.serve.exceptions import BackPressureError
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import BackPressureError, RayServeException
 from ray.serve.handle import DeploymentHandle
 
 from deployments.config import ProxyConfig
@@ -238,7 +239,11 @@ class EPDProxy:
                 raise cause.fresh() from None
             if isinstance(cause, BackPressureError):
                 raise Overloaded("the encoder service's queue is full; retry later") from exc
-            raise Unavailable("the encoder service is not reachable; retry shortly") from exc
+            if isinstance(cause, (RayActorError, RayServeException, ConnectionError, TimeoutError)):
+                raise Unavailable("the encoder service is not reachable; retry shortly") from exc
+            # A bug (here or in the encoder app), not a reason to retry: 500, cause in the log.
+            logger.error("calling the encoder app's %s failed", method, exc_info=exc)
+            raise RegistryError("the proxy failed calling the encoder service; the cause is in the proxy's log") from None
 
     async def _submit(self, chat: ChatRequest, req_id: str) -> str:
         """Submit one item; its state (``released`` for ``already_released``)."""

@@ -296,3 +296,28 @@ def test_models_are_forwarded(proxy):
 def test_bad_proxy_args_name_the_field(args, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         build_proxy_app(args)
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+class BuggyEncoder:
+    """An encoder app with a bug: its ``encode`` raises something that is no ``RegistryError``."""
+
+    async def encode(self, body):
+        raise KeyError("a bug in the encoder app")
+
+
+def test_a_bug_calling_the_encoder_app_is_a_500_not_a_retryable_503(cluster):
+    serve.run(BuggyEncoder.bind(), name="buggy-encoder", route_prefix=None)
+    with stand_in_vllm() as upstream:
+        args = {"vllm_url": f"{upstream.url}/llm", "encoder_app": "buggy-encoder", "timeout_s": 30}
+        serve.run(build_proxy_app(args), name="epd-proxy-wrong", route_prefix="/proxy-wrong")
+        try:
+            with httpx.Client(base_url=f"{cluster.url}/proxy-wrong", timeout=60) as client:
+                wait_until(lambda: client.get("/v1/models").status_code == 200, 60, what="the proxy to answer")
+                image = {"type": "image_url", "image_url": {"url": data_url(image_bytes(64, 64, seed=9901))}}
+                response = client.post("/v1/chat/completions", json=chat(image))
+            assert response.status_code == 500, response.text
+            assert response.json()["error"]["code"] == "internal" and "Retry-After" not in response.headers
+        finally:
+            serve.delete("epd-proxy-wrong")
+            serve.delete("buggy-encoder")
