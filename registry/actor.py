@@ -158,6 +158,8 @@ class EmbeddingRegistry(RankCalls):
 
         With ``wait`` it returns once the entry left ``pending``; a failed, cancelled
         or expired outcome raises that error. ``items`` are ``registry.media_input(bytes)``.
+        ``receive_count``: None for the app's default; ``registry.state.OPEN`` (0) when the
+        ranks will say how many they are, by ``claim``ing their endpoints (SGLang's).
         """
         self._count_submits(1)
         entry = self._accept(req_id, items, digest, receive_count)

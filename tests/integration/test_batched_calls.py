@@ -62,7 +62,7 @@ def test_submit_many_answers_each_request_alone(cluster):
     before = registry_stats()
     requests = [
         (first, [item], "digest-first", 1),
-        (refused, [item], "digest-refused", 0),  # receive_count out of range
+        (refused, [item], "digest-refused", -1),  # receive_count out of range (0 is OPEN: its ranks set it)
         (elsewhere, [item], "digest-elsewhere", 1),  # not this shard's
         (first, [item], "digest-first", 1),  # a retry joins the live entry
         ("malformed",),

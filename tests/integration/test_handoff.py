@@ -10,7 +10,7 @@ from ray import serve
 
 from registry import lookup_registry
 from registry.errors import InvalidRank, NotReady
-from support import INLINE_OBJECT_LIMIT, MODEL_SPEC, RankActor, image_bytes, image_item, reference_embedding, registry_stats
+from support import INLINE_OBJECT_LIMIT, MODEL_SPEC, RankActor, image_bytes, image_item, reference_embedding, registry_stats, wait_until
 
 
 def new_id(prefix="r"):
@@ -101,7 +101,8 @@ def test_fetch_times_out_with_not_ready(cluster):
 def test_fetch_waits_for_a_pending_request(cluster):
     req_id = new_id()
     waiting = [rank.fetch.remote(req_id, timeout_s=30) for rank in cluster.ranks[:2]]
-    time.sleep(0.3)  # the ranks are now waiting on a req_id nobody has sent yet
+    # Both ranks are waiting on a req_id nobody has sent yet.
+    wait_until(lambda: registry_stats()["waiting_calls"] >= 2, 15, what="both ranks to be waiting")
     out = encode(cluster, [image_bytes(128, 128, seed=6)], receive_count=2, req_id=req_id, wait=False, expect=202)
     assert out["state"] == "pending"
     results = ray.get(waiting)

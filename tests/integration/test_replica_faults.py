@@ -81,8 +81,9 @@ def test_client_gone_before_staging_cancels_the_request_and_nothing_is_staged(cl
     assert stays.result(timeout_s=30)["state"] == "staged"
     assert "error" not in ray.get(cluster.ranks[0].fetch.remote("stays"))
 
-    # Past the batch window the items' encodes were stopped, not staged.
-    time.sleep(5)
+    # The items' encodes were stopped, not staged: once nothing is encoding, nothing is there.
+    wait_until(lambda: (s := registry_stats())["encodes_in_flight"] == 0 and s["item_encodes_in_flight"] == 0, 20,
+               what="no encode in flight")
     stats = registry_stats()
     assert (stats["staged"], stats["pending"]) == (0, 0)
     assert cluster.http.get("/v1/requests/gone-http").json()["state"] == "cancelled"

@@ -16,7 +16,7 @@ import torch
 import zmq
 
 from sglang_frames import Modality, PullRank, embedding, load_header
-from support import MODEL_SPEC, data_url, image_bytes, reference_embedding
+from support import MODEL_SPEC, data_url, image_bytes, reference_embedding, registry_stats, wait_until
 
 IMAGES = [image_bytes(224, 160, seed=91), image_bytes(64, 64, seed=92)]
 REFERENCE = [torch.from_numpy(reference_embedding(d, **MODEL_SPEC)).view(torch.bfloat16) for d in IMAGES]
@@ -121,8 +121,8 @@ def test_a_corrupt_image_makes_every_rank_abort_with_the_reason(cluster, ranks, 
     req_id = part_id()
     body = encode_body(req_id, [IMAGES[0][:300]])
     early = pool.submit(register, cluster, req_id, ranks[0]) if rank_first else None
-    if early is not None:
-        time.sleep(0.2)  # the registration is waiting for the part when it fails (either order is correct)
+    if early is not None:  # the registration is waiting for the part when it fails
+        wait_until(lambda: registry_stats()["waiting_calls"] >= 1, 15, what="the registration to wait")
     answer = post(cluster, "/encode", body)
     assert answer.status_code == 400 and "items[0]" in answer.json()["message"]
     late = register(cluster, req_id, ranks[1])

@@ -125,7 +125,8 @@ def test_registry_crash_restarts_and_lost_entries_fail_fast(cluster):
         # New requests work, including a rank that asks before the encode arrives.
         async def early_fetch_then_encode():
             fetch = asyncio.ensure_future(receiver.fetch_async("crash-2", timeout_s=30))
-            await asyncio.sleep(0.5)
+            while (await registry.stats.remote())["waiting_calls"] < 1:  # the rank is waiting now
+                await asyncio.sleep(0.05)
             await registry.submit.remote("crash-2", [media_input(data)], "d2", 1, True)
             return await fetch
 
@@ -134,6 +135,16 @@ def test_registry_crash_restarts_and_lost_entries_fail_fast(cluster):
         del items
     finally:
         ray.kill(registry)
+
+
+def _dead(actor) -> bool:
+    try:
+        ray.get(actor.ping.remote(), timeout=5)
+    except ray.exceptions.RayActorError:
+        return True
+    except ray.exceptions.GetTimeoutError:
+        pass
+    return False
 
 
 def _ping_pid(registry):
@@ -150,7 +161,9 @@ def test_registry_killed_for_good_is_reported_503_and_recreated(cluster):
     staged = cluster.http.post(
         "/v1/encode", json={"receive_count": 1, "items": [image_item(image_bytes(224, 224, seed=25))]}
     ).json()
-    ray.kill(lookup_registry(req_id=staged["req_id"]), no_restart=True)  # the registry (shard) holding it
+    shard = lookup_registry(req_id=staged["req_id"])  # the registry (shard) holding it
+    ray.kill(shard, no_restart=True)
+    wait_until(lambda: _dead(shard), 30, what="the killed shard to be dead (ray.kill returns before it is)")
     health = cluster.http.get("/health")
     assert health.status_code == 503 and health.json()["status"] == "unavailable"
     # That failed call brought up a new registry; the service answers again within seconds.
