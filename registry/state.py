@@ -40,12 +40,12 @@ Rules:
   replaced by a fresh encode of the same req_id, or unknown after a restart) is
   refused: ``stage``/``fail`` (given the entry ``accept`` returned) return False
   and the caller drops the refs, so nothing is staged that nobody owns.
-
 * A staged entry whose objects were lost (the node holding them died) is ended
   ``failed`` by ``lose`` with the error every later fetch gets, so its other ranks
   are told at once instead of each finding the objects gone.
 
-Who calls what: the ingress ``accept``s, ``cancel``s and ``describe``s; the
+Who calls what: the ingress ``accept``s, ``cancel``s and ``describe``s, ``claim``s
+an endpoint's rank for SGLang's ranks and ``refuse``s what it turned away; the
 registry's encode task ``stage``s or ``fail``s; ranks ``fetch`` (and report
 objects they found lost, which the registry checks before calling ``lose``); a rank
 that already holds the bytes acknowledges with the same ``fetch`` and ignores the
@@ -60,38 +60,36 @@ for a change to that ``req_id`` (the actor uses events, never polling).
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import itertools
 from collections import OrderedDict
-from typing import Any
 
+from registry.entries import (  # noqa: F401 - re-exported: the lifecycle's names
+    CANCELLED,
+    EXPIRED,
+    FAILED,
+    LIVE_STATES,
+    MAX_LIST_LIMIT,
+    OPEN,
+    PENDING,
+    RELEASED,
+    STAGED,
+    TERMINAL_STATES,
+    UNKNOWN,
+    Entry,
+    FetchResult,
+    Limits,
+    StagedItem,
+    ended_error,
+)
 from registry.errors import (
-    AlreadyReleased,
-    Cancelled,
     Conflict,
-    EncodeFailed,
-    Expired,
     InvalidRank,
     InvalidRequest,
     Overloaded,
     RegistryError,
-    Unavailable,
     UnknownRequest,
 )
-
-PENDING, STAGED, RELEASED, EXPIRED, CANCELLED, FAILED = (
-    "pending", "staged", "released", "expired", "cancelled", "failed",
-)
-# What ``state_of`` answers for a req_id with no entry and no tombstone: never seen,
-# aged out, or lost with a registry restart.
-UNKNOWN = "unknown"
-LIVE_STATES = (PENDING, STAGED)
-TERMINAL_STATES = (RELEASED, EXPIRED, CANCELLED, FAILED)
-# Most entries one page of ``list_entries`` holds (the registry's and the HTTP route's bound).
-MAX_LIST_LIMIT = 1000
-# The receive_count of an entry whose ranks will say how many they are (``claim``).
-OPEN = 0
 
 _ALLOWED = {
     PENDING: {STAGED, FAILED, CANCELLED, EXPIRED},
@@ -101,74 +99,6 @@ _ALLOWED = {
 
 class IllegalTransition(RuntimeError):
     """A transition the lifecycle forbids was attempted: a bug in the caller."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Limits:
-    """The lifecycle's limits, named as ``deployments.AppConfig``'s keys, which hold every
-    default and description (``AppConfig.limits()`` builds this)."""
-
-    ttl_s: float
-    encode_timeout_s: float
-    max_receive_count: int
-    tombstone_ttl_s: float
-    max_tombstones: int
-    # Admission: past either, a new request is refused with ``overloaded``.
-    max_pending_requests: int
-    max_staged_bytes: int
-
-
-@dataclasses.dataclass(slots=True)
-class StagedItem:
-    """One staged embedding: its metadata, the handle of its bytes (an ObjectRef), and,
-    for an item small enough to ride in a fetch's reply, the item itself (``value``)."""
-
-    meta: dict[str, Any]
-    ref: Any
-    value: Any = None
-
-
-@dataclasses.dataclass(slots=True)
-class Entry:
-    req_id: str
-    digest: str
-    receive_count: int
-    created_at: float
-    state: str = PENDING
-    deadline: float = 0.0
-    items: list[StagedItem] | None = None  # set only while staged
-    metas: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    received: dict[int, float] = dataclasses.field(default_factory=dict)  # rank -> first fetch
-    endpoints: dict[str, int] = dataclasses.field(default_factory=dict)  # claimed endpoint -> rank
-    open_count: bool = False  # accepted with receive_count OPEN: the ranks' claims fix it
-    staged_at: float | None = None
-    ended_at: float | None = None
-    error: RegistryError | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return sum(int(m.get("nbytes", 0)) for m in self.metas)
-
-    def describe(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "req_id": self.req_id,
-            "state": self.state,
-            "receive_count": self.receive_count,
-            "received_ranks": sorted(self.received),
-            "items": [dict(m) for m in self.metas],
-            "created_at": self.created_at,
-            "staged_at": self.staged_at,
-            "ended_at": self.ended_at,
-        }
-        if self.error is not None:
-            out["error"] = {"code": self.error.code, "message": self.error.public_message()}
-        return out
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class FetchResult:
-    items: list[StagedItem]
-    released: bool
 
 
 class RegistryState:
@@ -192,11 +122,7 @@ class RegistryState:
     def accept(self, req_id: str, digest: str, receive_count: int, now: float) -> tuple[Entry, bool]:
         """Create a pending entry, or return the live one for a retry. -> (entry, created).
         ``receive_count`` ``OPEN``: the ranks' first ``claim`` fixes it."""
-        if receive_count != OPEN and not 1 <= receive_count <= self.limits.max_receive_count:
-            raise InvalidRequest(
-                f"receive_count must be between 1 and {self.limits.max_receive_count}, got {receive_count}",
-                req_id,
-            )
+        self._check_count(receive_count, req_id, open_ok=True)
         live = self._live.get(req_id)
         if live is not None:
             asked = OPEN if live.open_count else live.receive_count
@@ -359,12 +285,7 @@ class RegistryState:
     def claim(self, req_id: str, endpoint: str, receive_count: int, now: float) -> int | None:
         """The rank number of ``endpoint`` among ``req_id``'s ranks (claimed now if new);
         None: ``req_id`` is not known yet (the caller waits for its accept)."""
-        if isinstance(receive_count, bool) or not isinstance(receive_count, int) or not (
-            1 <= receive_count <= self.limits.max_receive_count
-        ):
-            raise InvalidRequest(
-                f"receive_count must be between 1 and {self.limits.max_receive_count}, got {receive_count!r}", req_id
-            )
+        self._check_count(receive_count, req_id)
         entry = self._live.get(req_id)
         if entry is None:
             self._prune(now)
@@ -451,6 +372,13 @@ class RegistryState:
 
     # --- internals ----------------------------------------------------------------
 
+    def _check_count(self, receive_count: object, req_id: str, open_ok: bool = False) -> None:
+        limit = self.limits.max_receive_count
+        if not (open_ok and receive_count == OPEN) and (
+            isinstance(receive_count, bool) or not isinstance(receive_count, int) or not 1 <= receive_count <= limit
+        ):
+            raise InvalidRequest(f"receive_count must be between 1 and {limit}, got {receive_count!r}", req_id)
+
     def _move(self, entry: Entry, new_state: str) -> None:
         if new_state not in _ALLOWED.get(entry.state, ()):
             raise IllegalTransition(f"{entry.req_id}: {entry.state} -> {new_state} is not allowed")
@@ -480,32 +408,3 @@ class RegistryState:
         ended = self._ended
         while ended and (len(ended) > self.limits.max_tombstones or next(iter(ended.values())).ended_at <= horizon):
             ended.popitem(last=False)
-
-
-def ended_error(entry: Entry) -> RegistryError:
-    """The error a caller gets for an entry in a terminal state."""
-    req_id, when = entry.req_id, entry.ended_at
-    if entry.state == RELEASED:
-        ranks = sorted(entry.received)
-        return AlreadyReleased(
-            f"req_id {req_id} was released at {when:.3f} after ranks {ranks} received it",
-            req_id,
-            {"received_ranks": ranks, "released_at": when},
-        )
-    if entry.state == EXPIRED:
-        return Expired(
-            f"req_id {req_id} expired at {when:.3f} before every rank received it "
-            f"(ranks that did: {sorted(entry.received)}); encode it again",
-            req_id,
-            {"received_ranks": sorted(entry.received), "expired_at": when},
-        )
-    if entry.state == CANCELLED:
-        return Cancelled(f"req_id {req_id} was cancelled at {when:.3f}", req_id, {"cancelled_at": when})
-    cause = entry.error
-    if isinstance(cause, Unavailable):  # lost with a node, or the encoders were down: retryable as is
-        return cause.fresh()
-    return EncodeFailed(
-        f"encoding req_id {req_id} failed: [{cause.code if cause else 'unknown'}] {cause}",
-        req_id,
-        {"cause": {"code": cause.code, "message": cause.message} if cause else None},
-    )
