@@ -34,6 +34,7 @@ from registry.metrics import RegistryMetrics
 from registry.rank_calls import RankCalls, check_wait
 from registry.settings import RegistrySettings
 from registry.shards import shard_of
+from registry.supervision import supervised
 from registry.state import (
     LIVE_STATES,
     MAX_LIST_LIMIT,
@@ -54,9 +55,6 @@ logger = get_logger(__name__)
 MAX_SUBMITS_PER_CALL = 1024
 # Ray's metrics are scraped every few seconds; the table's gauges are published this often.
 _METRICS_PERIOD_S = 0.5
-# A background loop that died is started again after this long (not at once: a loop that
-# keeps failing must not spin).
-_RESTART_DELAY_S = 1.0
 
 
 def _effective_limits(settings: RegistrySettings) -> Limits:
@@ -343,24 +341,9 @@ class EmbeddingRegistry(RankCalls):
 
     def _ensure_background_tasks(self) -> None:
         if self._timer is None or self._timer.done():
-            self._timer = self._supervised(self._expire_loop(), "expiry timer")
+            self._timer = supervised(self._expire_loop(), "the registry's expiry timer", self._ensure_background_tasks, logger)
         if self._publisher is None or self._publisher.done():
-            self._publisher = self._supervised(self._publish_loop(), "metrics publisher")
-
-    def _supervised(self, loop: Any, name: str) -> asyncio.Task:
-        """``loop`` as a task that, should it ever end with an error, is logged with its
-        traceback and started again: a silent death would stop expiry (and every waiter
-        counting on it) with no sign."""
-        task = asyncio.create_task(loop)
-
-        def done(task: asyncio.Task) -> None:
-            if task.cancelled():
-                return
-            logger.error("the registry's %s died; restarting it in %.0f s", name, _RESTART_DELAY_S, exc_info=task.exception())
-            asyncio.get_running_loop().call_later(_RESTART_DELAY_S, self._ensure_background_tasks)
-
-        task.add_done_callback(done)
-        return task
+            self._publisher = supervised(self._publish_loop(), "the registry's metrics publisher", self._ensure_background_tasks, logger)
 
     async def _publish_loop(self) -> None:
         """The gauges and totals follow the table at most every ``_METRICS_PERIOD_S``:
