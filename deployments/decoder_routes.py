@@ -31,7 +31,7 @@ from deployments.http_api import ERROR_RESPONSES, api, logger, read_json
 from deployments.schemas import AcknowledgeAnswer, AcknowledgeRequest, PushAnswer, PushRequest, RequestPage, parse_body
 from deployments.tensor_file import safetensors_bytes
 from deployments.zmq_push import check_endpoint, frames
-from registry.errors import InvalidRequest, Unavailable
+from registry.errors import InvalidRequest, Unavailable, staged_lost
 from registry.settings import MAX_WAIT_S
 from registry.state import LIVE_STATES, MAX_LIST_LIMIT, TERMINAL_STATES
 
@@ -126,7 +126,7 @@ class DecoderRoutes:
         except (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError):
             # Gone with their node: the registry checks and ends the entry, so other ranks are told at once.
             await asyncio.gather(self._call(req_id, "report_lost"), return_exceptions=True)
-            raise Unavailable(f"the staged embeddings of req_id {req_id} were lost; encode the request again", req_id) from None
+            raise staged_lost(req_id) from None
         except TimeoutError:
             raise Unavailable(f"reading the staged embeddings of req_id {req_id} timed out; retry", req_id) from None
         return [(meta, (next(values) if isinstance(held, ray.ObjectRef) else held).payload) for meta, held in pairs]

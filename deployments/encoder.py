@@ -27,7 +27,7 @@ from ray.serve import metrics
 from deployments.autoscaling import ITEMS_METRIC
 from deployments.config import BatchConfig, ModelConfig
 from encoder import EncodedItem, Media, MediaError, PreparedItem, Video
-from registry.errors import EncodeFailed, InvalidRequest, RegistryError, Unavailable
+from registry.errors import EncodeFailed, InvalidRequest, RegistryError, input_lost
 from registry.logs import get_logger, quiet_client_errors
 
 if TYPE_CHECKING:
@@ -111,10 +111,7 @@ class Encoder:
             try:
                 media = await media
             except ray.exceptions.ObjectLostError:
-                raise Unavailable(
-                    "the input bytes were lost before the encoder read them (the process that stored them "
-                    "died); retry the request", req_id,
-                ) from None
+                raise input_lost(req_id) from None
         return await self._encode_one(media, req_id)
 
     async def _encode_one(self, media: Media, req_id: str | None) -> EncodedItem:

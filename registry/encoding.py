@@ -32,7 +32,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, 
 from encoder.hashing import mm_hash
 from registry.cache import EncoderCache
 from registry.encoder_calls import EncoderCalls
-from registry.errors import EncodeFailed, Overloaded, RegistryError, Unavailable, unwrap
+from registry.errors import EncodeFailed, Overloaded, RegistryError, Unavailable, input_lost, unwrap
 from registry.inputs import INLINE_MAX_BYTES, MediaInput
 from registry.settings import RegistrySettings
 from registry.state import StagedItem
@@ -53,10 +53,7 @@ def encode_error(exc: BaseException, req_id: str, index: int) -> RegistryError:
             "retry the request shortly", req_id,
         )
     if isinstance(exc, ObjectLostError):  # the input's owner (the caller's ingress replica) died
-        return Unavailable(
-            f"items[{index}]: the input bytes were lost before the encoder read them (the process "
-            "that stored them died); retry the request", req_id,
-        )
+        return encode_error(input_lost(req_id), req_id, index)
     # The model's own exception, not Ray's wrapper (whose text is a colored header of the
     # replica's actor ids, then the remote traceback): that is what an operator needs to read.
     cause = getattr(exc, "cause", None) or exc

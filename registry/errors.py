@@ -140,6 +140,25 @@ def http_status(error: RegistryError) -> int:
     return HTTP_STATUS.get(error.code, 500)
 
 
+def staged_lost(req_id: str | None) -> Unavailable:
+    """Reading a request's staged embeddings found them gone (their node died, or their
+    owner, the registry, restarted): the one text every path that finds it says."""
+    return Unavailable(
+        f"the staged embeddings of req_id {req_id} were lost: the node holding them died or the registry "
+        "restarted; encode the request again",
+        req_id,
+    )
+
+
+def input_lost(req_id: str | None) -> Unavailable:
+    """The encoder found a request's input bytes gone (the process that stored them died)."""
+    return Unavailable(
+        "the input bytes were lost before the encoder read them (the process that stored them died); "
+        "retry the request",
+        req_id,
+    )
+
+
 def unwrap(exc: BaseException) -> BaseException:
     """The ``RegistryError`` inside a Ray task error, or ``exc`` itself.
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import ray
 
-from registry.errors import InvalidRequest, NotReady, RegistryError, Unavailable
+from registry.errors import InvalidRequest, NotReady, RegistryError, Unavailable, staged_lost
 from registry.logs import get_logger
 from registry.settings import MAX_WAIT_S
 from registry.state import LIVE_STATES, OPEN, STAGED, FetchResult, StagedItem, ended_error
@@ -326,10 +326,7 @@ class RankCalls:
             return False
         if entry.state != STAGED or entry.items is None or not await _any_lost(entry.items):
             return False
-        error = Unavailable(
-            f"the staged embeddings of req_id {req_id} were lost: the node holding them died; encode it again",
-            req_id,
-        )
+        error = staged_lost(req_id)
         if not self._state.lose(req_id, error, time.time()):
             return False
         self._count_error(error)

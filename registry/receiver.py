@@ -26,7 +26,7 @@ import ray
 from ray import exceptions as ray_exc
 
 from encoder.types import EncodedItem
-from registry.errors import NotReady, RegistryError, Unavailable, unwrap
+from registry.errors import NotReady, RegistryError, Unavailable, staged_lost, unwrap
 from registry.received import ReceivedItem
 from registry.shards import Shards
 
@@ -44,11 +44,7 @@ def _translate(exc: BaseException, req_id: str) -> BaseException:
     if isinstance(exc, RegistryError):
         return exc
     if isinstance(exc, _LOST):
-        return Unavailable(
-            f"the staged embeddings of req_id {req_id} were lost (the registry restarted or their node died); "
-            "encode the request again",
-            req_id,
-        )
+        return staged_lost(req_id)
     if isinstance(exc, ray_exc.RayActorError):
         return Unavailable(f"the registry actor is not reachable ({type(exc).__name__}); retry shortly", req_id)
     if isinstance(exc, TimeoutError):  # ray.get's GetTimeoutError, or asyncio.wait_for's

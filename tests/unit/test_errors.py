@@ -90,3 +90,17 @@ def test_http_error_response_headers():
     assert unauthorized.status_code == 401 and unauthorized.headers["WWW-Authenticate"] == "Bearer"
     failed = error_response(errors.EncodeFailed("secret internals", "r"))
     assert failed.status_code == 500 and b"secret" not in failed.body
+
+
+def test_lost_staged_embeddings_read_the_same_wherever_they_are_found():
+    from ray.exceptions import ObjectLostError, OwnerDiedError
+
+    from registry.errors import staged_lost
+    from registry.receiver import _translate
+
+    expected = staged_lost("r")
+    for raised in (ObjectLostError("00" * 28, None, ""), OwnerDiedError("00" * 28, None, "")):
+        found = _translate(raised, "r")
+        assert (type(found), found.message, found.req_id) == (type(expected), expected.message, "r")
+    # What a rank reading them first and one asking afterwards need to know, in one text.
+    assert "the node holding them died" in expected.message and "encode the request again" in expected.message
