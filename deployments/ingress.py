@@ -29,9 +29,9 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.config import AppConfig
 from deployments.decoder_routes import DecoderRoutes
-from deployments.sglang_routes import SglangRoutes
 from deployments.http_api import ERROR_RESPONSES, api, as_registry_error, log_once, logger, read_json
 from deployments.schemas import EncodeRequest, RequestState, parse_encode_request
+from deployments.sglang_routes import SglangRoutes
 from deployments.submits import SubmitBatcher
 from deployments.zmq_push import ZmqPusher
 from encoder import MediaError, item_media

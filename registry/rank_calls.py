@@ -60,9 +60,9 @@ def _checked_transport(transport: Any, req_id: str | None) -> str:
     return transport
 
 
-def _pairs(result: FetchResult) -> list[tuple[dict[str, Any], Any]]:
+def _pairs(items: list[StagedItem]) -> list[tuple[dict[str, Any], Any]]:
     """A fetch's answer: (meta, ref) per item, or (meta, item) for one small enough to ride in it."""
-    return [(item.meta, item.ref if item.value is None else item.value) for item in result.items]
+    return [(item.meta, item.ref if item.value is None else item.value) for item in items]
 
 
 async def _any_lost(items: list[StagedItem]) -> bool:
@@ -91,7 +91,7 @@ class RankCalls:
         for a rank's own call, ``http`` for the Ingress's pull route.
         """
         result = await self._receive(req_id, rank, timeout_s, _checked_transport(transport, req_id))
-        return _pairs(result)
+        return _pairs(result.items)
 
     async def peek(self, req_id: str, rank: int, timeout_s: float) -> list[tuple[dict[str, Any], ray.ObjectRef]]:
         """``fetch`` without counting ``rank``: what the Ingress pushes to a rank outside Ray
@@ -103,7 +103,7 @@ class RankCalls:
         self._pushes.setdefault((req_id, rank), started)
         if len(self._pushes) > _MAX_PUSHES_HELD:  # registrations never acknowledged: forget the dead ones
             self._pushes = {key: t for key, t in self._pushes.items() if self._state.is_live(key[0])}
-        return _pairs(result)
+        return _pairs(result.items)
 
     async def fetch_many(
         self, req_ids: list[str], rank: int, timeout_s: float
@@ -178,8 +178,7 @@ class RankCalls:
             if (claimed and entry.state == STAGED) or entry.state not in LIVE_STATES:
                 ended = entry.state not in LIVE_STATES
                 return {"state": entry.state, "receive_count": entry.receive_count, "endpoints": dict(entry.endpoints),
-                        "items": None if ended else [(item.meta, item.ref if item.value is None else item.value)
-                                                     for item in entry.items or ()],
+                        "items": None if ended else _pairs(entry.items or []),
                         "error": ended_error(entry) if ended else None}
             remaining = deadline - time.monotonic()
             if remaining <= 0:
