@@ -22,6 +22,7 @@ medians and ratios (service / sglang; below 1 is better).
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import json
 import os
@@ -119,8 +120,6 @@ def measure_size(python: str, env: dict[str, str], urls: dict[str, str], classif
 
 
 def _data_url(data: bytes) -> str:
-    import base64
-
     return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
