@@ -155,10 +155,8 @@ class EmbeddingRegistry(RankCalls):
         """Accept an encode (or join the live one with this req_id) and return its description.
 
         With ``wait`` it returns once the entry left ``pending``; a failed, cancelled
-        or expired outcome raises that error. ``items`` are ``registry.media_input(bytes)``.
-        ``receive_count``: None for the app's default; ``registry.state.OPEN`` (0) when the
-        ranks will say how many they are, by ``claim``ing their endpoints (SGLang's).
-        """
+        or expired outcome raises that error. ``items`` are ``registry.media_input(bytes)``;
+        ``receive_count`` None is the app's default, ``OPEN`` (0) what the ranks' ``claim``s fix."""
         self._count_submits(1)
         entry = self._accept(req_id, items, digest, receive_count)
         self._submitters[req_id] += 1
@@ -288,8 +286,7 @@ class EmbeddingRegistry(RankCalls):
         except asyncio.CancelledError:
             if asyncio.current_task().cancelling():
                 return  # the entry was cancelled or expired; the item calls were cancelled too
-            # Not this task: an item's call was cancelled under it. The entry must not wait
-            # for encode_timeout_s with nothing encoding it.
+            # An item's call was cancelled under it: the entry must not wait out encode_timeout_s.
             error = Unavailable(f"the encode of req_id {req_id} was cancelled under it; retry", req_id)
         except Exception as exc:  # noqa: BLE001 - every failure must end the entry
             first = exc.exceptions[0] if isinstance(exc, ExceptionGroup) else exc
@@ -370,15 +367,12 @@ class EmbeddingRegistry(RankCalls):
                 self._timer_wake.clear()
 
     def _log_expiry(self, entry: Entry) -> None:
-        req_id = entry.req_id
         if entry.staged_at is None:
-            logger.warning("req_id=%s expired pending: not encoded within encode_timeout_s", req_id)
-            return
-        fetched = sorted(entry.received)
-        missing = [rank for rank in range(entry.receive_count) if rank not in entry.received]
-        logger.warning(
-            "req_id=%s expired staged: ranks %s fetched it, ranks %s did not within ttl_s", req_id, fetched, missing
-        )
+            logger.warning("req_id=%s expired pending: not encoded within encode_timeout_s", entry.req_id)
+        else:
+            missing = [rank for rank in range(entry.receive_count) if rank not in entry.received]
+            logger.warning("req_id=%s expired staged: ranks %s fetched it, ranks %s did not within ttl_s",
+                           entry.req_id, sorted(entry.received), missing)
 
     def _check_owned(self, *req_ids: str) -> None:
         """A req_id sent to a shard that does not hold it is a client's routing bug: refused,

@@ -180,8 +180,7 @@ class RegistryState:
         return self.get(req_id, now)
 
     def get(self, req_id: str, now: float) -> Entry:
-        self._prune(now)
-        entry = self._live.get(req_id) or self._ended.get(req_id)
+        entry = self._find(req_id, now)
         if entry is None:
             raise UnknownRequest(f"no request with req_id {req_id} is known (or its record has aged out)", req_id)
         return entry
@@ -253,12 +252,9 @@ class RegistryState:
         push that counts only once its receiver acknowledges (then ``fetch`` again)."""
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise InvalidRank(f"rank must be an integer >= 0, got {rank!r}", req_id)
-        entry = self._live.get(req_id)
+        entry = self._find(req_id, now)
         if entry is None:
-            self._prune(now)
-            entry = self._ended.get(req_id)
-            if entry is None:
-                return None
+            return None
         if entry.receive_count == OPEN:
             if entry.state in LIVE_STATES:
                 raise InvalidRank(f"req_id {req_id} has no receive_count yet: its ranks claim their endpoints first", req_id)
@@ -286,13 +282,11 @@ class RegistryState:
         """The rank number of ``endpoint`` among ``req_id``'s ranks (claimed now if new);
         None: ``req_id`` is not known yet (the caller waits for its accept)."""
         self._check_count(receive_count, req_id)
-        entry = self._live.get(req_id)
+        entry = self._find(req_id, now)
         if entry is None:
-            self._prune(now)
-            ended = self._ended.get(req_id)
-            if ended is None:
-                return None
-            raise ended_error(ended)
+            return None
+        if entry.state not in LIVE_STATES:
+            raise ended_error(entry)
         if entry.receive_count == OPEN:
             entry.receive_count = receive_count
         elif entry.receive_count != receive_count:
@@ -343,11 +337,7 @@ class RegistryState:
 
     def state_of(self, req_id: str, now: float) -> str:
         """The state of ``req_id``'s entry or tombstone, else ``UNKNOWN``. Never raises."""
-        entry = self._live.get(req_id)
-        if entry is not None:
-            return entry.state
-        self._prune(now)
-        entry = self._ended.get(req_id)
+        entry = self._find(req_id, now)
         return UNKNOWN if entry is None else entry.state
 
     def list_entries(self, state: str | None, after: str | None, limit: int, now: float) -> tuple[list[Entry], bool]:
@@ -371,6 +361,14 @@ class RegistryState:
         }
 
     # --- internals ----------------------------------------------------------------
+
+    def _find(self, req_id: str, now: float) -> Entry | None:
+        """The live entry of ``req_id``, else its tombstone (aged ones pruned first), else None."""
+        entry = self._live.get(req_id)
+        if entry is None:
+            self._prune(now)
+            entry = self._ended.get(req_id)
+        return entry
 
     def _check_count(self, receive_count: object, req_id: str, open_ok: bool = False) -> None:
         limit = self.limits.max_receive_count
