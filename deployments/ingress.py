@@ -149,12 +149,12 @@ class Ingress(DecoderRoutes, SglangRoutes):
             raise InvalidRequest(f"{len(items)} items in one request; the limit is {cfg.max_items_per_request}", req_id)
 
         def prepare(item: dict[str, Any]) -> MediaInput:
-            if item["type"] == "image_ref":  # the caller's stored bytes, passed on unread
-                return ref_input(item["image_ref"], cfg.max_item_bytes, cfg.fetch_timeout_s)
             return media_input(item_media(item, self._media_policy, cfg.max_video_frames))
 
         async def unwrap_item(index: int, item: dict[str, Any]) -> MediaInput:
             try:
+                if item["type"] == "image_ref":  # the caller's stored bytes, passed on unread
+                    return await ref_input(item["image_ref"], cfg.max_item_bytes, cfg.fetch_timeout_s)
                 # Threads: decoding base64, hashing and fetching URLs block, and items of a
                 # request go in parallel.
                 return await asyncio.to_thread(prepare, item)

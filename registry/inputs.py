@@ -21,7 +21,9 @@ went with it, retries.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import time
 from typing import Any
 
 import ray
@@ -56,22 +58,26 @@ def _nbytes(media: Media) -> int:
 _SERIALIZATION_BYTES = 1024
 
 
-def ref_input(ref: Any, max_bytes: int, timeout_s: float) -> MediaInput:
+async def ref_input(ref: Any, max_bytes: int, timeout_s: float) -> MediaInput:
     """The ``MediaInput`` of image bytes a caller stored already (``ray.put(data)``): read here
     once to hash and check them (a copy in this process's memory, not in the store), then
-    passed on as that ref when large, so the store holds them once. Blocking; raises
-    ``MediaError`` for anything that is not readable image bytes within the limit."""
+    passed on as that ref when large, so the store holds them once. Awaited (the Ingress's
+    loop never blocks on it); raises ``MediaError`` for anything that is not readable image
+    bytes within the limit."""
     late = MediaError(f"the image_ref was not readable within {timeout_s:g} s (is the task that makes it done?)")
+    deadline = time.monotonic() + timeout_s
     try:
-        # Its size first, from where it lives: one over the limit is refused unread.
-        ready, _ = ray.wait([ref], timeout=timeout_s, fetch_local=False)
+        # Its size first, from where it lives: one over the limit is refused unread. Ray has
+        # no awaitable wait that leaves the object where it is: these two run in a thread.
+        ready, _ = await asyncio.to_thread(ray.wait, [ref], timeout=timeout_s, fetch_local=False)
         if not ready:
             raise late
-        size = get_object_locations([ref]).get(ref, {}).get("object_size")
+        locations = await asyncio.to_thread(get_object_locations, [ref])
+        size = locations.get(ref, {}).get("object_size")
         if size is not None and size > max_bytes + _SERIALIZATION_BYTES:
             raise MediaError(f"the image_ref holds {size} bytes; the limit is {max_bytes} bytes (it was not read)")
-        data = ray.get(ref, timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError:
+        data = await asyncio.wait_for(ref, max(deadline - time.monotonic(), 0.001))
+    except TimeoutError:
         raise late from None
     except ray.exceptions.RayError as exc:
         raise MediaError(f"the image_ref cannot be read: {type(exc).__name__}") from None
@@ -81,7 +87,7 @@ def ref_input(ref: Any, max_bytes: int, timeout_s: float) -> MediaInput:
         raise MediaError("the image is empty")
     if len(data) > max_bytes:
         raise MediaError(f"the image is {len(data)} bytes; the limit is {max_bytes} bytes")
-    digest = media_digest(data)
+    digest = await asyncio.to_thread(media_digest, data)
     return MediaInput(digest, data=data) if len(data) <= INLINE_MAX_BYTES else MediaInput(digest, ref=ref)
 
 

@@ -99,6 +99,11 @@ class EmbeddingReceiver:
             self._shards = Shards.lookup(self._name, self._namespace)
         return self._shards
 
+    async def _lookup_async(self) -> Shards:
+        if self._shards is None:
+            self._shards = await Shards.lookup_async(self._name, self._namespace)
+        return self._shards
+
     def _handle(self, req_id: str) -> ray.actor.ActorHandle:
         return self._lookup().of(req_id)
 
@@ -212,8 +217,7 @@ class EmbeddingReceiver:
                 answer = error = None
                 try:
                     if kind == "shards":
-                        # The first lookup asks the GCS: off the event loop.
-                        answer = self._shards or await asyncio.to_thread(self._lookup)
+                        answer = await self._lookup_async()
                     elif kind == "get":
                         # Bounded as in ``fetch``: under load Ray has been seen (about one read in
                         # 3,000, several ranks of one process reading one entry) never to answer one.
@@ -222,7 +226,7 @@ class EmbeddingReceiver:
                         waits = (asyncio.wait_for(_awaitable(refs), bound) for refs in what)
                         answer = await asyncio.gather(*waits, return_exceptions=True)
                     else:
-                        await asyncio.to_thread(self._report_lost, what)
+                        await self._report_lost_async(what)
                 except TimeoutError:
                     error = NotReady(f"fetching req_id {req_id} timed out", req_id)
                 except Exception as exc:  # noqa: BLE001 - handed to the rules, which decide
@@ -253,4 +257,12 @@ class EmbeddingReceiver:
         try:
             ray.get(self._handle(req_id).report_lost.remote(req_id), timeout=_CALL_GRACE_S)
         except Exception:  # noqa: BLE001 - e.g. the registry itself restarted: nothing to tell
+            pass
+
+    async def _report_lost_async(self, req_id: str) -> None:
+        """``_report_lost``, awaited."""
+        try:
+            shards = await self._lookup_async()
+            await asyncio.wait_for(shards.of(req_id).report_lost.remote(req_id), _CALL_GRACE_S)
+        except Exception:  # noqa: BLE001 - as in _report_lost
             pass

@@ -14,6 +14,7 @@ which each shard applies to its even share (``RegistrySettings.for_shard``).
 
 from __future__ import annotations
 
+import asyncio
 import zlib
 from collections.abc import Iterable
 from typing import Any
@@ -93,15 +94,36 @@ class Shards:
 
     @classmethod
     def lookup(cls, name: str | None = None, namespace: str | None = None) -> Shards:
-        """Every shard of the running registry; ``Unavailable`` if one is missing."""
+        """Every shard of the running registry (blocking); ``Unavailable`` if one is missing."""
         name, namespace = registry_address(name, namespace)
         first = find_actor(name, namespace)
         try:
-            count = ray.get(first.ping.remote(), timeout=30).get("shards", 1)
-        except ray.exceptions.RayError as exc:
-            raise Unavailable(f"the registry actor {name!r} does not answer ({type(exc).__name__}); retry shortly") from None
-        handles = [first] + [find_actor(shard_name(name, i), namespace) for i in range(1, count)]
-        return cls(name, namespace, handles)
+            count = ray.get(first.ping.remote(), timeout=_PING_TIMEOUT_S).get("shards", 1)
+        except (ray.exceptions.RayError, TimeoutError) as exc:
+            raise _silent(name, exc) from None
+        return cls(name, namespace, [first] + [find_actor(shard_name(name, i), namespace) for i in range(1, count)])
+
+    @classmethod
+    async def lookup_async(cls, name: str | None = None, namespace: str | None = None) -> Shards:
+        """``lookup`` for event loops: the same answer, awaited. Finding a name asks the GCS,
+        which blocks, so it runs in a thread; the shard count is an awaited ``ping``, never a
+        ``ray.get`` (which, in an async actor, blocks its loop and makes Ray warn)."""
+        name, namespace = registry_address(name, namespace)
+        first = await asyncio.to_thread(find_actor, name, namespace)
+        try:
+            count = (await asyncio.wait_for(first.ping.remote(), _PING_TIMEOUT_S)).get("shards", 1)
+        except (ray.exceptions.RayError, TimeoutError) as exc:
+            raise _silent(name, exc) from None
+        others = [await asyncio.to_thread(find_actor, shard_name(name, i), namespace) for i in range(1, count)]
+        return cls(name, namespace, [first, *others])
+
+
+# How long a lookup waits for shard 0 to say how many shards there are.
+_PING_TIMEOUT_S = 30.0
+
+
+def _silent(name: str, exc: BaseException) -> Unavailable:
+    return Unavailable(f"the registry actor {name!r} does not answer ({type(exc).__name__}); retry shortly")
 
 
 def find_actor(name: str, namespace: str) -> ray.actor.ActorHandle:

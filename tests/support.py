@@ -232,6 +232,13 @@ class RankActor:
         self.held.clear()
         return count
 
+    def blocked_its_loop(self) -> bool:
+        """Whether a blocking ``ray.get`` ran in this async actor (Ray then warns, once per
+        process, "Using blocking ray.get inside async actor")."""
+        from ray._private import worker
+
+        return worker.blocking_get_inside_async_warned
+
     def loaded(self, modules: list[str]) -> list[str]:
         """Which of ``modules`` this process has imported."""
         import sys

@@ -131,6 +131,7 @@ def run(cluster: Cluster, node_a) -> dict:
         "new": new_outcome,
         "registry": stats,
         "object_store": {"baseline": baseline, "after": object_store_bytes_in_use()},
+        "ranks_blocked_their_loop": ray.get([rank.blocked_its_loop.remote() for rank in ranks]),
     }
 
 

@@ -38,6 +38,8 @@ def test_entries_on_the_dead_node_fail_fast_for_every_rank(report):
         assert second["error"] == "unavailable" and "the node holding them died" in second["message"], second
         assert second["seconds"] < 2
     assert report["all_answered_s"] < 20
+    # Telling the registry of the loss, as looking it up, is awaited on the ranks' loops.
+    assert report["ranks_blocked_their_loop"] == [False, False]
 
 
 @pytest.mark.slow

@@ -224,3 +224,18 @@ def test_a_rank_s_first_fetch_loads_no_serve(cluster):
         assert ray.get(rank.loaded.remote(heavy)) == []
     finally:
         ray.kill(rank)
+
+
+def test_an_async_rank_s_fetch_never_blocks_its_event_loop(cluster):
+    """``fetch_async`` looks the registry up, fetches and reads without one blocking ``ray.get``
+    on the actor's loop; Ray would otherwise warn "Using blocking ray.get inside async actor"."""
+    fresh = {"env_vars": {"EPD_TEST_FRESH_WORKER": new_id()}}
+    rank = RankActor.options(runtime_env=fresh).remote(0)
+    try:
+        assert ray.get(rank.blocked_its_loop.remote()) is False
+        out = encode(cluster, [image_bytes(64, 64, seed=13), image_bytes(320, 320, seed=14)], receive_count=1)
+        got = ray.get(rank.fetch.remote(out["req_id"]))
+        assert "error" not in got and len(got["shapes"]) == 2, got
+        assert ray.get(rank.blocked_its_loop.remote()) is False
+    finally:
+        ray.kill(rank)
