@@ -101,7 +101,9 @@ class EngineView:
         unavailable, self._unavailable = self._unavailable, {}
         return {request_id: why for request_id, why in unavailable.items() if request_id in self._requests}
 
-    def finish(self, request_id: str) -> None:
+    def finish(self, request_id: str) -> list[str]:
+        """The request is done; returns the identifiers no tracked request names any more."""
+        forgotten = []
         for identifier in self._requests.pop(request_id, ()):
             users = self._users.get(identifier)
             if users is not None:
@@ -110,7 +112,9 @@ class EngineView:
                     del self._users[identifier]
                     self._states.pop(identifier, None)
                     self._handed.discard(identifier)
+                    forgotten.append(identifier)
         self._unavailable.pop(request_id, None)
+        return forgotten
 
     # --- what the registry says --------------------------------------------------
 

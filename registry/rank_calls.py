@@ -1,5 +1,5 @@
 """The registry actor's calls for decoder ranks: fetch (one or many), peek and acknowledge
-(a push outside Ray), ``claim`` and ``endpoints`` (ranks known by their endpoint, as
+(a push outside Ray; one or many), ``claim`` and ``endpoints`` (ranks known by their endpoint, as
 SGLang's run), the batched ``states`` query and the ``watch`` long poll, and
 ``report_lost``.
 
@@ -110,10 +110,21 @@ class RankCalls:
     ) -> dict[str, list[tuple[dict[str, Any], ray.ObjectRef]] | RegistryError]:
         """``fetch`` of each req_id at once, as ``rank``, for a decoder batch: per req_id its
         (meta, ref) pairs or its error, each by ``fetch``'s rules, all within ``timeout_s``."""
+        return await self._each(req_ids, timeout_s, lambda req_id: self.fetch(req_id, rank, timeout_s))
+
+    async def acknowledge_many(
+        self, req_ids: list[str], rank: int, timeout_s: float = 0.0
+    ) -> dict[str, dict[str, Any] | RegistryError]:
+        """``acknowledge`` of each req_id at once, as ``rank`` (a decoder step whose cache held
+        several items): per req_id ``acknowledge``'s answer or its error."""
+        return await self._each(req_ids, timeout_s, lambda req_id: self.acknowledge(req_id, rank, timeout_s))
+
+    async def _each(self, req_ids: list[str], timeout_s: float, call: Any) -> dict[str, Any]:
+        """``call`` for each distinct req_id, concurrently: req_id -> its answer or RegistryError."""
         self._check_owned(*_checked_ids(req_ids, "req_ids"))
         check_wait(timeout_s, "timeout_s", None)
         unique = list(dict.fromkeys(req_ids))
-        results = await asyncio.gather(*(self.fetch(req_id, rank, timeout_s) for req_id in unique), return_exceptions=True)
+        results = await asyncio.gather(*(call(req_id) for req_id in unique), return_exceptions=True)
         answer: dict[str, Any] = {}
         for req_id, result in zip(unique, results, strict=True):
             if isinstance(result, BaseException) and not isinstance(result, RegistryError):

@@ -7,6 +7,7 @@
     items[0].tensor, items[0].meta
     batch = rx.fetch_many([a, b, c])              # {req_id: items or its RegistryError}
     rx.acknowledge(other_req_id)                  # already held: count this rank, read nothing
+    rx.acknowledge_many([d, e])                   # {req_id: released or its RegistryError}
 
 A fetch is two steps: ask the registry (which waits until the request is staged,
 records this rank, and hands back ObjectRefs), then read the objects. Reading is
@@ -249,6 +250,27 @@ class EmbeddingReceiver:
             return ray.get(call, timeout=timeout_s + _CALL_GRACE_S)["released"]
         except Exception as exc:  # noqa: BLE001
             raise _translate(exc, req_id) from None
+
+    def acknowledge_many(self, req_ids: list[str], timeout_s: float = 0.0) -> dict[str, bool | RegistryError]:
+        """``acknowledge`` of each req_id, with one registry call per shard involved.
+
+        Returns ``{req_id: released}`` in the order given, where one request's failure is its
+        ``RegistryError`` in its place; only a failure of the whole call raises.
+        """
+        order = list(dict.fromkeys(req_ids))
+        try:
+            shards = self._lookup()
+            groups = shards.group(order)
+            calls = [shards.handles[i].acknowledge_many.remote(ids, self.rank, timeout_s) for i, ids in groups.items()]
+            answers = [_get_or_error(call, timeout_s + _CALL_GRACE_S) for call in calls]
+        except Exception as exc:  # noqa: BLE001
+            raise _translate(exc, None) from None
+        out: dict[str, Any] = {}
+        for ids, answer in zip(groups.values(), answers, strict=True):
+            for req_id in ids:
+                result = answer[req_id] if isinstance(answer, dict) else _translate(answer, req_id)
+                out[req_id] = result if isinstance(result, BaseException) else result["released"]
+        return {req_id: out[req_id] for req_id in order}
 
     def _report_lost(self, req_id: str) -> None:
         """Tell the registry this request's objects are gone, so it ends the entry and the

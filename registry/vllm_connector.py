@@ -27,7 +27,9 @@ engine's TP size.
 * ``ray_address``: where a process without Ray connects (default ``"auto"``).
 
 Scheduler side (one per engine, in the scheduler's process)
-    Never calls the registry per question: ``ensure_cache_available`` and
+    Never waits on the registry: it is looked up on a thread of its own
+    (``registry.finder``), and a request naming items not heard of yet waits
+    while that runs. Never calls the registry per question: ``ensure_cache_available`` and
     ``has_cache_item`` read a local ``registry.engine_view.EngineView`` that one
     long-poll ``watch`` call in flight keeps current (checked without blocking,
     at most once per new request and once per step). ``ensure_cache_available``
@@ -41,11 +43,12 @@ Scheduler side (one per engine, in the scheduler's process)
     returns the requests whose items ended failed, expired, cancelled or lost, or
     that a worker could not load.
 
-Worker side (one per TP worker)
+Worker side (one per TP worker, ``registry.vllm_worker``)
     ``start_load_caches`` fetches each listed identifier as this worker's TP
     rank and puts the tensor in ``encoder_cache`` on the worker's device in the
     model's dtype. An identifier already cached counts as this rank's receipt (an
-    acknowledgement that reads no bytes). Only the first pipeline stage loads. A
+    acknowledgement that reads no bytes). Fetches and acknowledgements are one
+    registry call per shard for the whole step. Only the first pipeline stage loads. A
     failed fetch never raises: the worker logs one line, leaves a zero
     placeholder so the step runs, and reports the identifier back, and the
     scheduler fails the request.
@@ -56,7 +59,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -68,6 +70,8 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 )
 
 from registry.engine_view import EngineView
+from registry.finder import RegistryFinder
+from registry.vllm_worker import WorkerSide
 from registry.settings import MAX_WAIT_S, registry_address
 
 if TYPE_CHECKING:
@@ -145,7 +149,7 @@ class RayRegistryECConnector(ECConnectorBase):
         super().__init__(vllm_config=vllm_config, role=role)
         settings = ConnectorSettings.from_extra_config(vllm_config.ec_transfer_config.ec_connector_extra_config)
         self._scheduler = _SchedulerSide(settings) if role == ECConnectorRole.SCHEDULER else None
-        self._worker = _WorkerSide(vllm_config, settings) if role == ECConnectorRole.WORKER else None
+        self._worker = WorkerSide(vllm_config, settings) if role == ECConnectorRole.WORKER else None
 
     # ==============================
     # Worker-side methods
@@ -160,7 +164,8 @@ class RayRegistryECConnector(ECConnectorBase):
         return None  # a consumer: the encoder service produces
 
     def build_connector_worker_meta(self) -> ECConnectorWorkerMetadata | None:
-        return self._worker.take_report() if self._worker is not None else None
+        report = self._worker.take_report() if self._worker is not None else None
+        return RayRegistryECWorkerMetadata(*report) if report is not None else None
 
     # ==============================
     # Scheduler-side methods
@@ -192,7 +197,7 @@ class RayRegistryECConnector(ECConnectorBase):
 
     def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
         if self._scheduler is not None:
-            self._scheduler.view.finish(request.request_id)
+            self._scheduler.finish(request.request_id)
         return False, None
 
 
@@ -200,10 +205,12 @@ class _SchedulerSide:
     def __init__(self, settings: ConnectorSettings):
         self.settings = settings
         self.view = EngineView()
-        self._shards: Any = None  # registry.shards.Shards, once found
-        self._next_lookup = 0.0
+        self._finder = RegistryFinder(
+            settings.registry_name, settings.registry_namespace, settings.ray_address, _LOOKUP_RETRY_S,
+            owner="RayRegistryECConnector: ",
+        )
         self._watches: dict[int, Any] = {}  # registry shard -> the ObjectRef of its watch call in flight
-        self._num_tokens: dict[str, int] = {}
+        self._num_tokens: dict[str, int] = {}  # identifier -> its tokens, while a request names it
         self._loads: dict[str, int] = {}
         self._synced_this_step = False
 
@@ -218,6 +225,10 @@ class _SchedulerSide:
             if feature.mm_position.offset + feature.mm_position.length > num_computed_tokens:
                 needed.append(feature.identifier)
         return self.view.ready(request.request_id, needed)
+
+    def finish(self, request_id: str) -> None:
+        for identifier in self.view.finish(request_id):
+            self._num_tokens.pop(identifier, None)
 
     def after_alloc(self, request: "Request", index: int) -> None:
         identifier = request.mm_features[index].identifier
@@ -276,14 +287,16 @@ class _SchedulerSide:
                     self.view.apply(ray.get(ref))
                 except Exception as exc:  # noqa: BLE001 - the registry restarted or is gone: look again
                     logger.warning("registry watch failed (%s: %s); retrying", type(exc).__name__, exc)
-                    self._shards = None
+                    self._finder.forget()
         known = self.view.to_watch()
         if not known:
             return
-        shards = self._lookup()
+        shards = self._finder.shards()  # looked up on a thread of its own: never waited for here
         if shards is None:
-            # No registry to ask: what nobody could have encoded is computed by the engine.
-            self.view.apply({identifier: "unknown" for identifier, state in known.items() if state is None})
+            if self._finder.failed:
+                # No registry to ask: what nobody could have encoded is computed by the engine.
+                self.view.apply({identifier: "unknown" for identifier, state in known.items() if state is None})
+            # Else a lookup is under way: the requests naming these items wait for it.
             return
         # One watch in flight per shard holding any of them, naming all of that shard's.
         for shard, identifiers in shards.group(known).items():
@@ -294,126 +307,3 @@ class _SchedulerSide:
             subset = {identifier: known[identifier] for identifier in identifiers}
             self._watches[shard] = shards.handles[shard].watch.remote(subset, self.settings.watch_timeout_s)
             self.view.asked(subset, shard)
-
-    def _lookup(self) -> Any:
-        if self._shards is not None or time.monotonic() < self._next_lookup:
-            return self._shards
-        import ray
-
-        from registry.errors import Unavailable
-        from registry.shards import Shards
-
-        self._next_lookup = time.monotonic() + _LOOKUP_RETRY_S
-        try:
-            if not ray.is_initialized():
-                ray.init(address=self.settings.ray_address)
-            self._shards = Shards.lookup(self.settings.registry_name, self.settings.registry_namespace)
-        except (Unavailable, ConnectionError) as exc:
-            logger.warning("RayRegistryECConnector: %s; items are computed by the engine until it is found", exc)
-        return self._shards
-
-
-class _WorkerSide:
-    def __init__(self, vllm_config: "VllmConfig", settings: ConnectorSettings):
-        self.settings = settings
-        model = vllm_config.model_config
-        self._dtype = model.dtype if model is not None else None
-        widths = vllm_config.ec_transfer_config.mm_encoder_output_widths
-        self._width = widths.get("image") or (model.get_inputs_embeds_size() if model is not None else 0)
-        self._receivers: dict[int, Any] = {}
-        self._loaded: set[str] = set()
-        self._failed: dict[str, str] = {}
-
-    def load(self, loads: tuple[ItemLoad, ...], encoder_cache: dict[str, torch.Tensor]) -> None:
-        rank = _tp_rank(self.settings.tp_rank)
-        if rank is None or not loads:
-            return  # a later pipeline stage: it never reads multimodal embeddings
-        receiver = self._receiver(rank)
-        device = _device()
-        to_fetch = []
-        for load in loads:
-            if load.acknowledge_only or (load.identifier in encoder_cache and not load.reload):
-                self._acknowledge(receiver, load.identifier)
-            else:
-                to_fetch.append(load)
-        if not to_fetch:
-            return
-        # One registry call per shard for the whole step, not one per item.
-        try:
-            fetched: dict[str, Any] = receiver.fetch_many(
-                [load.identifier for load in to_fetch], timeout_s=self.settings.fetch_timeout_s
-            )
-        except Exception as exc:  # noqa: BLE001 - a failed load must not take the worker down
-            fetched = dict.fromkeys((load.identifier for load in to_fetch), exc)
-        for load in to_fetch:
-            try:
-                encoder_cache[load.identifier] = self._checked(load, fetched[load.identifier]).to(device=device, dtype=self._dtype)
-                self._loaded.add(load.identifier)
-            except Exception as exc:  # noqa: BLE001 - a failed load must not take the worker down
-                why = f"[{getattr(exc, 'code', type(exc).__name__)}] {exc}"
-                logger.warning("req_id=%s rank=%d: loading the staged embedding failed: %s", load.identifier, rank, why)
-                self._failed[load.identifier] = why
-                dtype = self._dtype or torch.float32
-                encoder_cache[load.identifier] = torch.zeros(load.num_tokens, self._width, dtype=dtype, device=device)
-
-    def take_report(self) -> RayRegistryECWorkerMetadata | None:
-        if not self._loaded and not self._failed:
-            return None
-        report = RayRegistryECWorkerMetadata(frozenset(self._loaded), dict(self._failed))
-        self._loaded.clear()
-        self._failed.clear()
-        return report
-
-    def _checked(self, load: ItemLoad, items: Any) -> torch.Tensor:
-        """The item's tensor from a ``fetch_many`` answer; raises its error or a mismatch."""
-        from registry.errors import InvalidRequest
-
-        if isinstance(items, BaseException):
-            raise items
-        if len(items) != 1:
-            raise InvalidRequest(f"req_id {load.identifier} holds {len(items)} items; an engine item is a one-item encode")
-        tensor = items[0].tensor
-        if tensor.ndim != 2 or tensor.shape[0] != load.num_tokens:
-            raise InvalidRequest(
-                f"req_id {load.identifier} is an embedding of shape {list(tensor.shape)}; the engine expects "
-                f"{load.num_tokens} tokens: the encoder serves another model or preprocessing than the engine"
-            )
-        return tensor
-
-    def _acknowledge(self, receiver: Any, identifier: str) -> None:
-        from registry.errors import AlreadyReleased, RegistryError
-
-        try:
-            receiver.acknowledge(identifier)
-        except AlreadyReleased:
-            pass
-        except RegistryError as exc:  # the rank holds the item: nothing to fail, only to tell
-            logger.info("req_id=%s rank=%d: acknowledging a cached item failed: [%s] %s", identifier, receiver.rank, exc.code, exc)
-
-    def _receiver(self, rank: int) -> Any:
-        if rank not in self._receivers:
-            from registry.receiver import EmbeddingReceiver
-
-            self._receivers[rank] = EmbeddingReceiver(
-                rank, registry_name=self.settings.registry_name, registry_namespace=self.settings.registry_namespace
-            )
-        return self._receivers[rank]
-
-
-def _tp_rank(default: int) -> int | None:
-    """This worker's TP rank, or None on a pipeline stage after the first."""
-    from vllm.distributed import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
-        return default
-    if not parallel_state.get_pp_group().is_first_rank:
-        return None
-    return parallel_state.get_tensor_model_parallel_rank()
-
-
-def _device() -> torch.device:
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cuda_alike():
-        return torch.device(current_platform.device_type, current_platform.current_device())
-    return torch.device(current_platform.device_type or ("cuda" if torch.cuda.is_available() else "cpu"))

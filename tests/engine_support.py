@@ -1,5 +1,6 @@
 """Pieces of a vLLM engine for the connector tests: a TP worker's encoder-cache side as a Ray
-actor, and a gate that holds an encode pending until the test opens it.
+actor, a gate that holds an encode pending until the test opens it, and a registry shard
+that does not answer.
 
 ``VllmWorkerRank`` is one TP rank: its own process, its worker-role connector built by vLLM's
 ``ensure_ec_transfer_initialized``, driven with the GPU model runner's
@@ -70,3 +71,19 @@ def gated(gate, value):
     """``value``, once ``gate`` opens: an object the encoder must wait for."""
     ray.get(gate.wait.remote())
     return value
+
+
+@ray.remote(num_cpus=0)
+class SilentRegistry:
+    """A registry shard that answers ``ping`` only once ``gate`` opens, as one that is
+    restarting would not; after that it has heard of nothing."""
+
+    def __init__(self, gate):
+        self._gate = gate
+
+    async def ping(self) -> dict[str, Any]:
+        await self._gate.wait.remote()
+        return {"shards": 1}
+
+    async def watch(self, known: dict[str, Any], timeout_s: float) -> dict[str, str]:
+        return dict.fromkeys(known, "unknown")

@@ -108,6 +108,23 @@ def test_fetch_many_returns_each_request_s_items_or_its_error_by_the_same_rules(
     assert {v.code for v in EmbeddingReceiver(rank=1).fetch_many(staged[:2]).values()} == {"already_released"}
 
 
+def test_acknowledge_many_counts_a_rank_for_each_request_or_says_why_not(cluster):
+    shards = lookup_shards()
+    staged = ids_on_every_shard(shards, "ack")
+    for i, req_id in enumerate(staged):
+        encode(cluster, 770 + i, req_id)  # receive_count 2
+    never = new_id("never")
+    rank0, rank1 = EmbeddingReceiver(rank=0), EmbeddingReceiver(rank=1)
+    first = rank0.acknowledge_many(staged + [never, staged[0]])  # a repeat is answered once
+    assert list(first) == staged + [never]
+    assert [first[r] for r in staged] == [False] * len(staged) and first[never].code == "not_ready"
+    assert rank1.acknowledge_many(staged) == dict.fromkeys(staged, True)  # the last rank releases each
+    for req_id in staged:
+        described = cluster.http.get(f"/v1/requests/{req_id}").json()
+        assert described["state"] == "released" and described["received_ranks"] == [0, 1]
+    assert {v.code for v in rank1.acknowledge_many(staged[:2]).values()} == {"already_released"}
+
+
 def test_fetch_many_waits_for_pending_requests(cluster):
     req_ids = [new_id("wait") for _ in range(3)]
     batch = cluster.ranks[0].fetch_many.remote(req_ids, 60.0)

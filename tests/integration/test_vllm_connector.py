@@ -9,6 +9,7 @@ count, (1, 16, 16).
 """
 
 import pickle
+import threading
 import time
 import uuid
 
@@ -16,7 +17,7 @@ import pytest
 import ray
 
 import vllm_env
-from engine_support import Gate, VllmWorkerRank, gated
+from engine_support import Gate, SilentRegistry, VllmWorkerRank, gated
 from registry import lookup_registry, media_input
 from support import MODEL_SPEC, image_bytes, image_item, reference_embedding, wait_until
 
@@ -165,18 +166,60 @@ def test_a_pending_item_defers_its_request_until_it_is_staged(cluster, engine, s
     ray.kill(gate)
 
 
-def test_a_rank_that_already_had_the_item_cached_still_counts(cluster, engine, scheduler):
+def test_ranks_that_already_had_the_items_cached_still_count(cluster, engine, scheduler):
     _, ranks = engine
-    req_id = new_id("cached")
-    encode(cluster, image_bytes(SIZE, SIZE, seed=604), req_id)
-    scheduler.add_request(vllm_env.image_request("chat-4", [req_id], grid_thw=[GRID]))
-    steps = step_until(scheduler, lambda r: loads_of(r), "the item is handed to the workers")
-    ray.get(ranks[1].prime.remote(req_id, 64, 512))
+    req_ids = [new_id("cached") for _ in range(4)]  # on several shards: one call to each per step
+    for seed, req_id in enumerate(req_ids, start=604):
+        encode(cluster, image_bytes(SIZE, SIZE, seed=seed), req_id)
+    scheduler.add_request(vllm_env.image_request("chat-4", req_ids, grid_thw=[GRID] * len(req_ids)))
+    steps = step_until(scheduler, lambda r: loads_of(r), "the items are handed to the workers")
+    assert set(loads_of(steps[-1])) == set(req_ids)
+    for req_id in req_ids:
+        ray.get(ranks[1].prime.remote(req_id, 64, 512))
     loaded = load_on_ranks(ranks, steps[-1])
-    assert loaded[1]["cache"][req_id]["sha256"] != loaded[0]["cache"][req_id]["sha256"]  # rank 1 kept its own copy
-    described = state(cluster, req_id)
-    assert described["state"] == "released" and described["received_ranks"] == [0, 1]  # not left to its ttl
+    for req_id in req_ids:
+        assert loaded[1]["cache"][req_id]["sha256"] != loaded[0]["cache"][req_id]["sha256"]  # rank 1 kept its own copy
+        described = state(cluster, req_id)
+        assert described["state"] == "released" and described["received_ranks"] == [0, 1]  # not left to its ttl
     step_until(scheduler, lambda r: "chat-4" in r.finished, "chat-4 finishes", ec_connector_output=aggregated(loaded))
+    # What the scheduler side remembered per item went with the request.
+    side = scheduler.get_ec_connector()._scheduler
+    assert side.view.tracked() == 0 and side._num_tokens == {}
+
+
+def _step_within(scheduler, seconds):
+    """One engine step, which must return within ``seconds`` (it would hang on a registry call)."""
+    done = []
+    stepper = threading.Thread(target=lambda: done.append(vllm_env.step(scheduler)), daemon=True)
+    stepper.start()
+    stepper.join(seconds)
+    assert done, f"an engine step did not return within {seconds}s"
+    return done[0]
+
+
+def test_a_registry_that_does_not_answer_never_holds_up_a_step(cluster, engine):
+    cfg, _ = engine
+    gate, name = Gate.remote(), new_id("silent")
+    silent = SilentRegistry.options(name=name, namespace="epd").remote(gate)
+    ray.get(silent.__ray_ready__.remote())
+    own = pickle.loads(pickle.dumps(cfg))
+    own.ec_transfer_config.ec_connector_extra_config["registry_name"] = name
+    scheduler = vllm_env.make_scheduler(own)
+    try:
+        scheduler.add_request(vllm_env.image_request("chat-11", [new_id("unheard")], grid_thw=[GRID]))
+        # The lookup waits for the ping on a thread of its own; every step returns, and the
+        # request waits for the registry's answer.
+        for _ in range(5):
+            result = _step_within(scheduler, 10)
+            assert "chat-11" not in result.scheduler_output.num_scheduled_tokens
+            time.sleep(0.05)
+        ray.get(gate.open.remote())
+        steps = step_until(scheduler, lambda r: "chat-11" in r.scheduler_output.num_scheduled_tokens, "chat-11 runs")
+        # Found at last, the registry has never heard of the item: the engine computes it.
+        assert steps[-1].scheduler_output.scheduled_encoder_inputs["chat-11"] == [0]
+    finally:
+        ray.kill(silent)
+        ray.kill(gate)
 
 
 @pytest.mark.parametrize("ending", ["cancelled", "failed"])

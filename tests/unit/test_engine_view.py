@@ -53,9 +53,11 @@ def test_an_item_handed_to_the_workers_is_no_longer_watched():
 
 def test_finishing_forgets_items_and_a_later_request_asks_again():
     view = EngineView()
-    view.track("chat-1", ["a"])
+    view.track("chat-1", ["a", "b"])
+    view.track("chat-0", ["b"])
     view.apply({"a": "released"})
-    view.finish("chat-1")
+    assert view.finish("chat-1") == ["a"]  # "b" is still named by chat-0
+    assert view.finish("chat-0") == ["b"]
     assert view.state("a") is None and view.tracked() == 0
     view.track("chat-2", ["a"])  # the proxy may have staged it afresh
     assert view.to_watch() == {"a": None}

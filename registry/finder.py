@@ -1,0 +1,73 @@
+"""Finding the registry without ever waiting for it, for callers that must not block.
+
+An engine's scheduler step must not wait on the network: connecting to Ray and asking
+shard 0 how many shards there are can take up to ``Shards.lookup``'s 30 s when the
+registry is restarting. ``RegistryFinder`` runs that lookup on a thread of its own and
+tells the caller, at once, what it knows: the shards, that a lookup is still under way,
+or that the last one failed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from registry.logs import get_logger
+
+logger = get_logger(__name__)
+
+
+class RegistryFinder:
+    """The running registry's ``Shards``, looked up in the background.
+
+    ``shards()`` returns them once found; until then it returns None and starts a lookup
+    if none is running (after a failed one, no sooner than ``retry_s`` later). ``failed``
+    is True while the last lookup that ended found no registry. ``forget()`` drops the
+    shards found (a call to them failed: the registry restarted or is gone), so the next
+    ``shards()`` looks again.
+    """
+
+    def __init__(self, name: str, namespace: str, ray_address: str = "auto", retry_s: float = 1.0, *, owner: str = "") -> None:
+        self._name, self._namespace, self._address = name, namespace, ray_address
+        self._retry_s = retry_s
+        self._owner = owner  # who looks, for the log line
+        self._shards: Any = None
+        self._thread: threading.Thread | None = None
+        self._result: Any = None
+        self._next_try = 0.0
+        self.failed = False
+
+    def shards(self) -> Any:
+        if self._shards is not None:
+            return self._shards
+        if self._thread is not None and not self._thread.is_alive():
+            self._thread, result = None, self._result
+            if isinstance(result, BaseException):
+                self.failed = True
+                logger.warning("%s%s; looking again in %g s", self._owner, result, self._retry_s)
+            else:
+                self._shards, self.failed = result, False
+        if self._shards is None and self._thread is None and time.monotonic() >= self._next_try:
+            self._next_try = time.monotonic() + self._retry_s
+            self._thread = threading.Thread(target=self._look, name="epd-registry-lookup", daemon=True)
+            self._thread.start()
+        return self._shards
+
+    def forget(self) -> None:
+        self._shards = None
+
+    def _look(self) -> None:
+        import ray
+
+        from registry.errors import Unavailable
+        from registry.shards import Shards
+
+        try:
+            if not ray.is_initialized():
+                ray.init(address=self._address)
+            self._result = Shards.lookup(self._name, self._namespace)
+        except (Unavailable, ConnectionError) as exc:
+            self._result = exc
+        except Exception as exc:  # noqa: BLE001 - whatever it is, the caller goes on without a registry
+            self._result = Unavailable(f"looking the registry up failed ({type(exc).__name__}: {exc})")
