@@ -34,6 +34,7 @@ from deployments.zmq_push import check_endpoint, frames
 from registry.errors import InvalidRequest, Unavailable, staged_lost
 from registry.settings import MAX_WAIT_S
 from registry.state import LIVE_STATES, MAX_LIST_LIMIT, TERMINAL_STATES
+from registry.supervision import gather_within
 
 # Push and acknowledge bodies are a few fields.
 _SMALL_BODY_BYTES = 64 * 1024
@@ -122,7 +123,7 @@ class DecoderRoutes:
         """(meta, payload) per item of a fetch's answer: small items came in it, large ones are read here."""
         refs = [held for _, held in pairs if isinstance(held, ray.ObjectRef)]
         try:
-            values = iter(await asyncio.wait_for(asyncio.gather(*refs), _READ_TIMEOUT_S))
+            values = iter(await gather_within(_READ_TIMEOUT_S, *refs))
         except (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError):
             # Gone with their node: the registry checks and ends the entry, so other ranks are told at once.
             await asyncio.gather(self._call(req_id, "report_lost"), return_exceptions=True)

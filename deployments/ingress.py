@@ -18,6 +18,7 @@ SGLang's encoder protocol, under ``/sglang``, is ``deployments.sglang_routes``'.
 import asyncio
 import hashlib
 import hmac
+import time
 import uuid
 from typing import Any
 
@@ -42,6 +43,7 @@ from registry.logs import quiet_client_errors, replica_log_format
 from registry.lookup import get_or_create_registry, get_or_create_shards
 from registry.settings import MAX_WAIT_S, api_token_from_env
 from registry.shards import sum_stats
+from registry.supervision import gather_within
 
 _HEALTH_TIMEOUT_S = 5.0
 
@@ -208,13 +210,24 @@ class Ingress(DecoderRoutes, SglangRoutes):
     @api.get("/health")
     async def health(self) -> JSONResponse:
         """200 once the model is loaded and the registry answers; else 503."""
+        started = time.monotonic()
+        calls = {"the registry": asyncio.ensure_future(self._call_all("ping")),
+                 "the Encoder": asyncio.ensure_future(self._encoder.ready.remote())}
         try:
-            registry, encoder = await asyncio.wait_for(
-                asyncio.gather(self._call_all("ping"), self._encoder.ready.remote()), _HEALTH_TIMEOUT_S
-            )
+            registry, encoder = await gather_within(_HEALTH_TIMEOUT_S, *calls.values())
             # Shard 0's answer, and each shard's process where there are several.
             registry = {**registry[0], "shard_pids": [ping["pid"] for ping in registry]}
+        except asyncio.CancelledError:
+            # The probe left first (its timeout is shorter): one line, no traceback.
+            waiting = " and ".join(name for name, call in calls.items() if call.cancelled()) or "nothing"
+            logger.info("/health: not ready: the probe left after %.1f s, waiting for %s", time.monotonic() - started, waiting)
+            raise
         except Exception as exc:  # noqa: BLE001 - any failure means not healthy
-            reason = str(as_registry_error(exc)) or type(exc).__name__
+            if isinstance(exc, TimeoutError):
+                waiting = " and ".join(name for name, call in calls.items() if call.cancelled())
+                reason = f"waiting for {waiting} (no answer within {_HEALTH_TIMEOUT_S:g} s)"
+            else:
+                reason = str(as_registry_error(exc)) or type(exc).__name__
+            logger.info("/health: not ready: %s", reason)
             return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
         return JSONResponse({"status": "ok", "encoder": encoder, "registry": registry})

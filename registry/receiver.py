@@ -30,6 +30,7 @@ from encoder.types import EncodedItem
 from registry.errors import NotReady, RegistryError, Unavailable, staged_lost, unwrap
 from registry.received import ReceivedItem
 from registry.shards import Shards
+from registry.supervision import gather_within
 
 # Extra seconds on top of the registry's own timeout before giving up on the call.
 _CALL_GRACE_S = 10.0
@@ -60,8 +61,11 @@ def _get_or_error(refs: Any, timeout_s: float) -> Any:
         return exc
 
 
-def _awaitable(refs: Any) -> Any:
-    return asyncio.gather(*refs) if isinstance(refs, list) else refs
+async def _read_within(refs: Any, timeout_s: float) -> Any:
+    """The value of a ref, or the values of a list of refs, within ``timeout_s``."""
+    if isinstance(refs, list):
+        return await gather_within(timeout_s, *refs)
+    return await asyncio.wait_for(refs, timeout_s)
 
 
 def _refs(pairs: list[tuple[dict[str, Any], Any]]) -> list[ray.ObjectRef]:
@@ -222,9 +226,9 @@ class EmbeddingReceiver:
                     elif kind == "get":
                         # Bounded as in ``fetch``: under load Ray has been seen (about one read in
                         # 3,000, several ranks of one process reading one entry) never to answer one.
-                        answer = await asyncio.wait_for(_awaitable(what), bound)
+                        answer = await _read_within(what, bound)
                     elif kind == "gather":
-                        waits = (asyncio.wait_for(_awaitable(refs), bound) for refs in what)
+                        waits = (_read_within(refs, bound) for refs in what)
                         answer = await asyncio.gather(*waits, return_exceptions=True)
                     else:
                         await self._report_lost_async(what)

@@ -4,6 +4,7 @@ cause, in the logs of the deployed components, and no traceback for a client's m
 import json
 import uuid
 
+import httpx
 import pytest
 import ray
 from ray import serve
@@ -134,3 +135,40 @@ def test_an_encode_failure_leaves_one_error_line_with_req_id_code_and_the_model_
     finally:
         serve.delete(name)
         ray.kill(ray.get_actor(f"{name}-registry", namespace="epd"))
+
+
+@pytest.mark.slow
+def test_health_probes_while_the_encoder_starts_leave_one_not_ready_line_each_and_no_traceback(cluster):
+    name = f"epd-starting-{uuid.uuid4().hex[:6]}"
+    registry = {"registry_name": f"{name}-registry", "registry_namespace": "epd"}
+    options = deployment_options()
+    # Its replica waits for a resource no node has: the Encoder is "starting" for the whole test.
+    options["Encoder"]["ray_actor_options"] = {"num_cpus": 0, "resources": {"never-on-this-cluster": 1}}
+    app = compose_app({**APP_ARGS, **registry}, deployment_options=options)
+    serve.run_many([serve.RunTarget(app, name=name, route_prefix=f"/{name}")], wait_for_applications_running=False)
+    try:
+        offsets = log_offsets()
+        # A patient probe is told why: 503 once the Ingress's own wait runs out.
+        answer = cluster.http.get(f"/{name}/health", timeout=30)
+        assert answer.status_code == 503 and answer.json()["status"] == "unavailable", answer.text
+        # Impatient probes (a load balancer's 0.5 s) leave before any answer.
+        for _ in range(3):
+            with pytest.raises(httpx.ReadTimeout):
+                cluster.http.get(f"/{name}/health", timeout=0.5)
+
+        def not_ready_lines():
+            lines = [line for lines in log_lines_since(offsets).values() for line in lines
+                     if f"{name}_Ingress" in line and "/health: not ready" in line]
+            distinct = set(lines)  # each line is in the replica's Serve log and in its stderr
+            return distinct if len(distinct) >= 4 else None
+
+        found = wait_until(not_ready_lines, 20, what="a 'not ready' line per probe")
+        assert sum("not ready: waiting for the Encoder (no answer within 5 s)" in line for line in found) == 1, found
+        assert sum("the probe left after 0.5 s, waiting for the Encoder" in line for line in found) == 3, found
+        assert all(line.startswith("INFO") for line in found), found
+        added = log_lines_since(offsets)
+        noisy = {path: [l for l in lines if "Traceback" in l or "never retrieved" in l] for path, lines in added.items()}
+        assert not any(noisy.values()), noisy
+    finally:
+        serve.delete(name)
+        ray.kill(ray.get_actor(registry["registry_name"], namespace="epd"))
