@@ -161,7 +161,8 @@ def test_serve_deploy_of_a_changed_config_keeps_staged_entries_and_drops_no_requ
             lambda: (s := _encoder_status())["status"] == "HEALTHY" and s["replica_states"] == {"RUNNING": 2}, 120,
             interval_s=0.5, what="two new Encoder replicas and the old one gone",
         )
-        time.sleep(1)
+        served_before = len(answers)  # and the client goes on with the new ones alone
+        wait_until(lambda: len(answers) >= served_before + 4, 60, what="encodes on the new replicas")
     finally:
         stop.set()
         client.join(timeout=120)

@@ -7,7 +7,6 @@ import concurrent.futures
 import hashlib
 import itertools
 import threading
-import time
 
 import httpx
 import pytest
@@ -83,7 +82,8 @@ def test_the_encoder_scales_up_and_down_under_traffic_and_loses_nothing(cluster)
         assert _running_encoders() == 2
         upscaled_after = len(traffic.answers)
         traffic.run(1, until=lambda: _running_encoders() == 1)  # down, while one client goes on
-        time.sleep(0.5)
+        replicas = lambda: serve.status().applications["epd"].deployments["Encoder"].replica_states  # noqa: E731
+        wait_until(lambda: replicas() == {"RUNNING": 1}, 60, what="the replica scaled down to stop")
         traffic.run(1, until=lambda: len(traffic.answers) >= upscaled_after + 12)  # and on the one left
         assert _running_encoders() == 1
     finally:

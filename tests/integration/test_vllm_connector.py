@@ -19,7 +19,7 @@ import ray
 import vllm_env
 from engine_support import Gate, SilentRegistry, VllmWorkerRank, gated
 from registry import lookup_registry, media_input
-from support import MODEL_SPEC, image_bytes, image_item, reference_embedding, wait_until
+from support import MODEL_SPEC, image_bytes, image_item, reference_embedding
 
 TP = 2
 GRID = (1, 16, 16)  # 64 placeholder tokens
