@@ -32,6 +32,11 @@ class VllmWorkerRank:
         output = self._env.worker_load(pickle.loads(scheduler_output), self.cache)
         return {"output": pickle.dumps(output), "cache": {key: _describe(t) for key, t in self.cache.items()}}
 
+    def clear(self) -> None:
+        """Free the encoder cache, as the engine does once the requests that used it finished.
+        (Its tensors may view the objects they were fetched in: they hold them until then.)"""
+        self.cache.clear()
+
     def prime(self, identifier: str, tokens: int, width: int) -> None:
         """Put ``identifier`` in this rank's encoder cache, as an earlier step would have."""
         import torch

@@ -50,6 +50,13 @@ def engine(cluster, tmp_path_factory):
         ray.kill(rank)
 
 
+@pytest.fixture(autouse=True)
+def encoder_caches_freed(engine):
+    """After each test the ranks' encoder caches are freed, as the engine frees them."""
+    yield
+    ray.get([rank.clear.remote() for rank in engine[1]])
+
+
 @pytest.fixture
 def scheduler(engine):
     cfg, _ = engine
