@@ -17,10 +17,16 @@ _TEXT = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_
              num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
-def _build_and_save(model_cls, config, processor, path: str, seed: int, max_shard_size: str):
+def _build_and_save(model_cls, config, processor, path: str, seed: int, max_shard_size: str, lm_head_scale: float = 1.0):
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = model_cls(config).eval()
+    if lm_head_scale != 1.0:  # logits spread apart: no near-ties for greedy decoding (engine_checkpoints.py)
+        head = model.get_output_embeddings()
+        if head.weight is model.get_input_embeddings().weight:
+            raise AssertionError("the LM head is tied to the embeddings: scaling it would scale them too")
+        with torch.no_grad():
+            head.weight.mul_(lm_head_scale)
     model.save_pretrained(path, max_shard_size=max_shard_size)  # small shards: the checkpoint is really sharded
     processor.save_pretrained(path)
     return model
@@ -34,21 +40,29 @@ def _qwen_processor():
     )
 
 
-def save_qwen2_5_vl(path: str, seed: int = 0):
+def _mrope_section(text: dict) -> list[int]:
+    """M-RoPE's (temporal, height, width) split of half a head, in Qwen2-VL's 2:3:3 proportion."""
+    half = text["hidden_size"] // text["num_attention_heads"] // 2
+    return [half - 2 * (3 * half // 8), 3 * half // 8, 3 * half // 8]
+
+
+def save_qwen2_5_vl(path: str, seed: int = 0, lm_head_scale: float = 1.0, text: dict | None = None):
+    """``text`` overrides the language model's sizes (an engine's kernels want larger heads)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
+    text = {**_TEXT, **(text or {})}
     config = Qwen2_5_VLConfig(
-        text_config=dict(**_TEXT, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+        text_config=dict(**text, rope_scaling={"type": "mrope", "mrope_section": _mrope_section(text)}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"],
                            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
                            fullatt_block_indexes=[1]),
         image_token_id=QWEN_IMAGE_TOKEN, video_token_id=QWEN_VIDEO_TOKEN,
         vision_start_token_id=QWEN_VISION_START, vision_end_token_id=QWEN_VISION_END,
     )
-    return _build_and_save(Qwen2_5_VLForConditionalGeneration, config, _qwen_processor(), path, seed, "200KB")
+    return _build_and_save(Qwen2_5_VLForConditionalGeneration, config, _qwen_processor(), path, seed, "200KB", lm_head_scale)
 
 
-def save_llava(path: str, vision: str = "clip", seed: int = 0):
+def save_llava(path: str, vision: str = "clip", seed: int = 0, lm_head_scale: float = 1.0, text: dict | None = None):
     from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration, SiglipVisionConfig
     from transformers.models.clip import CLIPImageProcessorPil
     from transformers.models.siglip import SiglipImageProcessorPil
@@ -61,10 +75,10 @@ def save_llava(path: str, vision: str = "clip", seed: int = 0):
         vision_config, strategy = SiglipVisionConfig(**tower), "full"
         processor = SiglipImageProcessorPil(size={"height": 56, "width": 56})
     config = LlavaConfig(
-        vision_config=vision_config.to_dict(), text_config=dict(model_type="llama", **_TEXT),
+        vision_config=vision_config.to_dict(), text_config=dict(model_type="llama", **{**_TEXT, **(text or {})}),
         image_token_id=LLAVA_IMAGE_TOKEN, vision_feature_layer=-2, vision_feature_select_strategy=strategy,
     )
-    return _build_and_save(LlavaForConditionalGeneration, config, processor, path, seed, "100KB")
+    return _build_and_save(LlavaForConditionalGeneration, config, processor, path, seed, "100KB", lm_head_scale)
 
 
 def qwen_prompt(token_counts: list[int]) -> torch.Tensor:

@@ -62,10 +62,8 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
-import pathlib
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -78,13 +76,8 @@ import torchvision_stub  # noqa: E402 - after VLLM_TARGET_DEVICE is set
 
 torchvision_stub.install()
 
-from models import (  # noqa: E402 - after the stub, so every process imports in the same order
-    QWEN_IMAGE_TOKEN,
-    QWEN_VIDEO_TOKEN,
-    QWEN_VISION_END,
-    QWEN_VISION_START,
-    save_qwen2_5_vl,
-)
+from engine_checkpoints import MAX_MODEL_LEN, save_qwen_for_engines  # noqa: E402 - after the stub
+from models import QWEN_IMAGE_TOKEN, QWEN_VISION_END, QWEN_VISION_START  # noqa: E402
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -96,23 +89,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 MERGE_SIZE = 2  # spatial_merge_size of the model in tests/models.py
-MAX_MODEL_LEN = 4096
 TEXT_TOKEN = 5  # an ordinary token, for prompt text and for every sampled token
-_UNK = 3
-# Qwen2-VL's spellings: vLLM's Qwen2-VL processor looks these up in the vocabulary.
-_SPECIAL = {
-    "<pad>": 0, "<s>": 1, "</s>": 2,
-    "<|vision_end|>": QWEN_VISION_END, "<|vision_start|>": QWEN_VISION_START,
-    "<|video_pad|>": QWEN_VIDEO_TOKEN, "<|image_pad|>": QWEN_IMAGE_TOKEN,
-}
-_CHAT_TEMPLATE = (
-    "{% for message in messages %}<s>{{ message['role'] }} "
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] in ('image', 'image_url', 'image_embeds') %}<|vision_start|> <|image_pad|> <|vision_end|>"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %} {% endfor %}{% endif %}</s> "
-    "{% endfor %}{% if add_generation_prompt %}<s>assistant {% endif %}"
-)
 
 
 # ==============================
@@ -120,32 +97,10 @@ _CHAT_TEMPLATE = (
 # ==============================
 
 def save_tiny_qwen_for_vllm(path: str):
-    """Save a tiny Qwen2.5-VL into ``path`` that vLLM can inspect offline, and return the model.
-
-    ``tests/models.py::save_qwen2_5_vl`` (sharded safetensors, config, image
-    processor config) plus a WordLevel ``tokenizers`` tokenizer over the
-    model's 1000 ids whose special tokens carry the config's ids
-    (``<|image_pad|>`` = ``QWEN_IMAGE_TOKEN``, ``<|vision_start|>``, ...;
-    ``<s>``/``</s>``/``<pad>`` = 1/2/0), its ``tokenizer_config.json`` and a
-    small chat template. Ordinary tokens are spelled ``t<id>``.
-    """
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    model = save_qwen2_5_vl(path)
-    by_id = {i: f"t{i}" for i in range(model.config.text_config.vocab_size)}
-    by_id.update({i: token for token, i in _SPECIAL.items()})
-    backend = Tokenizer(models.WordLevel(vocab={t: i for i, t in by_id.items()}, unk_token=by_id[_UNK]))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token=by_id[_UNK],
-        additional_special_tokens=[t for t in _SPECIAL if t.startswith("<|")],
-        chat_template=_CHAT_TEMPLATE, model_max_length=MAX_MODEL_LEN,
-    ).save_pretrained(path)
-    added = json.loads(pathlib.Path(path, "tokenizer.json").read_text())["added_tokens"]
-    if wrong := {t["content"]: t["id"] for t in added if _SPECIAL.get(t["content"], t["id"]) != t["id"]}:
-        raise AssertionError(f"the tokenizer gave special tokens ids other than the config's: {wrong}")
-    return model
+    """Save a tiny Qwen2.5-VL into ``path`` that vLLM can inspect offline, and return the model:
+    ``engine_checkpoints.save_qwen_for_engines`` (weights, image processor, tokenizer, chat
+    template), with the LM head as built (no forward runs here)."""
+    return save_qwen_for_engines(path, lm_head_scale=1.0)
 
 
 def make_vllm_config(
