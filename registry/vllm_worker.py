@@ -111,8 +111,14 @@ class WorkerSide:
 
     def _receiver(self, rank: int) -> Any:
         if rank not in self._receivers:
+            import ray
+
             from registry.receiver import EmbeddingReceiver
 
+            if not ray.is_initialized():
+                # As the scheduler side does: a worker process of vLLM's ``mp`` backend has no Ray
+                # of its own, and Ray's automatic init would start a new local cluster (no registry).
+                ray.init(address=self.settings.ray_address)
             self._receivers[rank] = EmbeddingReceiver(
                 rank, registry_name=self.settings.registry_name, registry_namespace=self.settings.registry_namespace
             )

