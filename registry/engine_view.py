@@ -15,9 +15,13 @@ answer yet). What the scheduler is told:
   ones (never encoded for this engine, or already delivered to it) are computed
   by the engine itself.
 * ``has``: the item is ``pending`` or ``staged`` in the registry.
-* ``take_unavailable``: requests that cannot get an item: it ended ``failed``,
-  ``expired`` or ``cancelled``, or went ``unknown`` after being live (a registry
-  restart lost it), or a worker could not load it.
+* An item that ended ``failed``, ``expired`` or ``cancelled``, or went ``unknown``
+  after being live (a registry restart lost it), before the workers were told to
+  load it: with ``local_fallback`` (the default) the engine computes it itself, as
+  it would without the service (``take_fallbacks`` says which, once each, for the
+  log); without, its requests are unavailable.
+* ``take_unavailable``: requests that cannot get an item: it ended as above without
+  ``local_fallback``, or a worker could not load it.
 
 A worker that fails to load an item leaves a placeholder in its encoder cache so
 the step runs; the engine then believes the item is cached. Such an identifier is
@@ -39,7 +43,9 @@ MAX_POISONED = 65_536
 
 
 class EngineView:
-    def __init__(self) -> None:
+    def __init__(self, local_fallback: bool = True) -> None:
+        self.local_fallback = local_fallback
+        self._fallbacks: dict[str, str] = {}  # identifier -> why the engine computes it, not yet logged
         self._states: dict[str, str | None] = {}  # identifier -> last registry state heard
         self._users: dict[str, set[str]] = {}  # identifier -> engine request ids naming it
         self._requests: dict[str, tuple[str, ...]] = {}  # engine request id -> its identifiers
@@ -149,9 +155,21 @@ class EngineView:
             if identifier in self._handed:
                 continue
             if state in _ENDED_BADLY:
-                self._mark(identifier, f"{identifier} is {state} in the registry")
+                self._ended(identifier, f"it is {state} in the registry")
             elif state == UNKNOWN and before in _LIVE:
-                self._mark(identifier, f"{identifier} was {before} and is unknown to the registry now (it restarted)")
+                self._ended(identifier, f"it was {before} and is unknown to the registry now (it restarted)")
+
+    def _ended(self, identifier: str, why: str) -> None:
+        if self.local_fallback and identifier not in self._poisoned:
+            self._fallbacks[identifier] = why  # decided, and not live: the engine computes it
+        else:
+            self._mark(identifier, f"{identifier}: {why}")
+
+    def take_fallbacks(self) -> dict[str, str]:
+        """Identifiers the engine computes itself because the service could not deliver them
+        (-> why), each reported once."""
+        fallbacks, self._fallbacks = self._fallbacks, {}
+        return fallbacks
 
     # --- the workers' report -----------------------------------------------------
 

@@ -24,7 +24,12 @@ engine's TP size.
   initialized (default 0); otherwise vLLM's own TP rank is used.
 * ``fetch_timeout_s``: how long a worker waits for one item (default 30).
 * ``watch_timeout_s``: length of the scheduler's long poll (default 5).
-* ``ray_address``: where a process without Ray connects (default ``"auto"``).
+* ``ray_address``: where a process without Ray connects, the scheduler's and each
+  worker's (default ``"auto"``).
+* ``local_fallback``: an item the service cannot deliver (its entry failed, expired,
+  was cancelled or lost before the workers were told to load it, or there is no
+  registry to ask) is encoded by the engine itself, with one log line naming it
+  (default true); false fails its request instead.
 
 Scheduler side (one per engine, in the scheduler's process)
     Never waits on the registry: it is looked up on a thread of its own
@@ -39,9 +44,9 @@ Scheduler side (one per engine, in the scheduler's process)
     identifiers to load with their token counts, and the items a newly scheduled
     request got from the engine's own encoder or prefix cache, for the ranks to
     acknowledge (staged for this engine, they would otherwise wait for their
-    ttl); ``take_unavailable_requests``
-    returns the requests whose items ended failed, expired, cancelled or lost, or
-    that a worker could not load.
+    ttl); ``take_unavailable_requests`` returns the requests whose items a worker
+    could not load, and, without ``local_fallback``, those whose items ended failed,
+    expired, cancelled or lost (with it, the engine encodes those items itself).
 
 Worker side (one per TP worker, ``registry.vllm_worker``)
     ``start_load_caches`` fetches each listed identifier as this worker's TP
@@ -97,14 +102,18 @@ class ConnectorSettings:
     fetch_timeout_s: float = 30.0
     watch_timeout_s: float = 5.0
     ray_address: str = "auto"
+    local_fallback: bool = True
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> "ConnectorSettings":
         extra = dict(extra or {})
         name, namespace = registry_address(extra.pop("registry_name", None), extra.pop("registry_namespace", None))
-        settings = cls(name, namespace, **{k: extra.pop(k) for k in ("tp_rank", "fetch_timeout_s", "watch_timeout_s", "ray_address") if k in extra})
+        keys = ("tp_rank", "fetch_timeout_s", "watch_timeout_s", "ray_address", "local_fallback")
+        settings = cls(name, namespace, **{k: extra.pop(k) for k in keys if k in extra})
         if extra:
             logger.warning("ec_connector_extra_config keys %s are not RayRegistryECConnector's; ignored", sorted(extra))
+        if not isinstance(settings.local_fallback, bool):
+            raise ValueError(f"ec_connector_extra_config.local_fallback must be true or false, got {settings.local_fallback!r}")
         if isinstance(settings.tp_rank, bool) or not isinstance(settings.tp_rank, int) or settings.tp_rank < 0:
             raise ValueError(f"ec_connector_extra_config.tp_rank must be an integer >= 0, got {settings.tp_rank!r}")
         for key in ("fetch_timeout_s", "watch_timeout_s"):
@@ -204,7 +213,7 @@ class RayRegistryECConnector(ECConnectorBase):
 class _SchedulerSide:
     def __init__(self, settings: ConnectorSettings):
         self.settings = settings
-        self.view = EngineView()
+        self.view = EngineView(settings.local_fallback)
         self._finder = RegistryFinder(
             settings.registry_name, settings.registry_namespace, settings.ray_address, _LOOKUP_RETRY_S,
             owner="RayRegistryECConnector: ",
@@ -268,6 +277,8 @@ class _SchedulerSide:
 
     def take_unavailable(self) -> set[str]:
         self.sync()
+        for identifier, why in self.view.take_fallbacks().items():
+            logger.warning("req_id=%s: %s; the engine encodes it itself", identifier, why)
         unavailable = self.view.take_unavailable()
         for request_id, why in unavailable.items():
             logger.warning("vLLM request %s fails: its encoder input is unavailable: %s", request_id, why)

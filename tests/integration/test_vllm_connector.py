@@ -157,12 +157,14 @@ def test_a_pending_item_defers_its_request_until_it_is_staged(cluster, engine, s
     submitted = ray.get(registry.submit.remote(req_id, [item], held.digest, TP, False))
     assert submitted["state"] == "pending"
     scheduler.add_request(vllm_env.image_request("chat-3", [req_id], grid_thw=[GRID]))
-    for _ in range(20):  # the engine keeps stepping; the request waits
-        result = vllm_env.step(scheduler)
-        assert "chat-3" not in result.scheduler_output.num_scheduled_tokens
-        time.sleep(0.02)
-    assert not scheduler.get_ec_connector().has_cache_item(new_id("never"))
-    assert scheduler.get_ec_connector().has_cache_item(req_id)  # pending counts: the service has it
+    connector = scheduler.get_ec_connector()
+    # The engine keeps stepping and the request waits: until the registry's answer (pending)
+    # arrives, and for 20 steps more.
+    steps = step_until(scheduler, lambda r: connector.has_cache_item(req_id), "the registry says it is pending")
+    steps += [vllm_env.step(scheduler) for _ in range(20)]
+    assert all("chat-3" not in result.scheduler_output.num_scheduled_tokens for result in steps)
+    assert not connector.has_cache_item(new_id("never"))
+    assert connector.has_cache_item(req_id)  # pending counts: the service has it
     ray.get(gate.open.remote())
     steps = step_until(scheduler, lambda r: "chat-3" in r.scheduler_output.num_scheduled_tokens, "chat-3 is scheduled")
     assert loads_of(steps[-1]) == {req_id: 64}
@@ -229,8 +231,17 @@ def test_a_registry_that_does_not_answer_never_holds_up_a_step(cluster, engine):
         ray.kill(gate)
 
 
+def _scheduler(cfg, **extra):
+    """A scheduler of its own, with ``extra`` in its ``ec_connector_extra_config``."""
+    own = pickle.loads(pickle.dumps(cfg))
+    own.ec_transfer_config.ec_connector_extra_config.update(extra)
+    return vllm_env.make_scheduler(own)
+
+
+@pytest.mark.parametrize("fallback", [True, False], ids=["computed-by-the-engine", "local_fallback-off"])
 @pytest.mark.parametrize("ending", ["cancelled", "failed"])
-def test_an_item_that_ends_badly_fails_its_request(cluster, engine, scheduler, ending):
+def test_an_item_that_ends_badly_is_computed_by_the_engine_or_fails_its_request(cluster, engine, ending, fallback):
+    scheduler = _scheduler(engine[0], local_fallback=fallback)
     req_id = new_id(ending)
     if ending == "cancelled":
         gate = Gate.remote()
@@ -245,9 +256,15 @@ def test_an_item_that_ends_badly_fails_its_request(cluster, engine, scheduler, e
     vllm_env.step(scheduler)
     if ending == "cancelled":
         assert cluster.http.delete(f"/v1/requests/{req_id}").json()["state"] == "cancelled"
-    steps = step_until(scheduler, lambda r: "chat-5" in r.finished, "chat-5 is failed")
-    assert steps[-1].finished["chat-5"].name == "ERROR"
-    assert all("chat-5" not in r.scheduler_output.num_scheduled_tokens for r in steps)  # never ran
+    if fallback:  # as without the service: the engine's own encoder runs it
+        steps = step_until(scheduler, lambda r: "chat-5" in r.scheduler_output.num_scheduled_tokens, "chat-5 runs")
+        assert steps[-1].scheduler_output.scheduled_encoder_inputs["chat-5"] == [0] and not loads_of(steps[-1])
+        steps = step_until(scheduler, lambda r: "chat-5" in r.finished, "chat-5 finishes")
+        assert steps[-1].finished["chat-5"].name == "LENGTH"
+    else:
+        steps = step_until(scheduler, lambda r: "chat-5" in r.finished, "chat-5 is failed")
+        assert steps[-1].finished["chat-5"].name == "ERROR"
+        assert all("chat-5" not in r.scheduler_output.num_scheduled_tokens for r in steps)  # never ran
     assert state(cluster, req_id)["state"] == ending
     if ending == "cancelled":
         ray.kill(gate)
@@ -305,7 +322,7 @@ def test_an_item_the_engine_had_cached_is_acknowledged_not_left_to_its_ttl(clust
     step_until(scheduler, lambda r: "chat-9" in r.finished, "chat-9 finishes")
 
 
-def test_an_item_that_expires_while_its_request_waits_fails_the_request(cluster, engine):
+def test_without_fallback_an_item_that_expires_while_its_request_waits_fails_the_request(cluster, engine):
     from registry import get_or_create_registry
     from support import registry_settings
 
@@ -313,9 +330,7 @@ def test_an_item_that_expires_while_its_request_waits_fails_the_request(cluster,
     # A registry of its own with a 1 s ttl, encoding through the same Encoder deployment.
     settings = registry_settings(f"short-ttl-{uuid.uuid4().hex[:6]}", "epd", ttl_s=1.0)
     registry = get_or_create_registry(settings)
-    short = pickle.loads(pickle.dumps(cfg))
-    short.ec_transfer_config.ec_connector_extra_config["registry_name"] = settings.name
-    scheduler = vllm_env.make_scheduler(short)
+    scheduler = _scheduler(cfg, registry_name=settings.name, local_fallback=False)
     gate = Gate.remote()
     try:
         staged, pending = new_id("expiring"), new_id("held")

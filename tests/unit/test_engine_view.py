@@ -28,8 +28,35 @@ def test_never_encoded_and_released_items_are_computed_by_the_engine():
     assert view.to_watch() == {}  # decided for good: nothing left to watch
 
 
-def test_items_that_end_badly_or_are_lost_make_their_requests_unavailable():
+def test_items_that_end_badly_or_are_lost_are_computed_by_the_engine_by_default():
     view = EngineView()
+    for request_id, identifier in [("c1", "f"), ("c2", "e"), ("c3", "c"), ("c4", "lost")]:
+        view.track(request_id, [identifier])
+    view.apply({"f": "pending", "e": "staged", "c": "pending", "lost": "staged"})
+    view.apply({"f": "failed", "e": "expired", "c": "cancelled", "lost": "unknown"})
+    assert view.take_unavailable() == {}
+    for request_id, identifier in [("c1", "f"), ("c2", "e"), ("c3", "c"), ("c4", "lost")]:
+        assert view.ready(request_id, [identifier]) and not view.has(identifier)  # the engine encodes it
+    fallbacks = view.take_fallbacks()
+    assert set(fallbacks) == {"f", "e", "c", "lost"} and "failed" in fallbacks["f"] and "restarted" in fallbacks["lost"]
+    assert view.take_fallbacks() == {}  # each told once
+
+
+def test_an_item_a_worker_could_not_load_still_fails_with_the_fallback():
+    view = EngineView()
+    view.track("chat-1", ["a"])
+    view.apply({"a": "staged"})
+    view.hand_over("a")
+    view.load_failed({"a": "[not_ready] timed out"})  # handed over: the engine believes it cached
+    assert set(view.take_unavailable()) == {"chat-1"}
+    view.finish("chat-1")
+    view.track("chat-2", ["a"])
+    view.apply({"a": "failed"})  # a placeholder is cached: computing it "itself" would use zeros
+    assert set(view.take_unavailable()) == {"chat-2"} and view.take_fallbacks() == {}
+
+
+def test_without_the_fallback_items_that_end_badly_make_their_requests_unavailable():
+    view = EngineView(local_fallback=False)
     for request_id, identifier in [("c1", "f"), ("c2", "e"), ("c3", "c"), ("c4", "lost")]:
         view.track(request_id, [identifier])
     view.track("c5", ["f"])  # two requests share an item
