@@ -57,8 +57,9 @@ IMAGES = {
 }
 # Prompts by the images they show. "control" shows the photo's pixels under a uuid whose entry
 # holds "other": the answer must be other's. "never" is not staged: the engine encodes it.
+# "failed" is staged from a corrupt copy of its image, and its entry fails: the engine encodes it.
 PROMPTS = {"photo": ["photo"], "translucent": ["translucent"], "small": ["small"], "two": ["photo", "large"],
-           "control": ["photo"], "never": ["never"]}
+           "control": ["photo"], "never": ["never"], "failed": ["large"]}
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +105,8 @@ def stack(tmp_path_factory):
         yield {"url": url, "ray_address": gcs_address(proc), "checkpoints": checkpoints, "folder": folder}
 
 
-def run_engine(python, folder, checkpoint, dtype, tp, requests, connector=None) -> list[list[int]]:
-    """Greedy token ids per request, from a fresh engine process."""
+def run_engine(python, folder, checkpoint, dtype, tp, requests, connector=None) -> tuple[list[list[int]], str]:
+    """Greedy token ids per request, from a fresh engine process, and the engine's log."""
     path = folder / f"requests-{uuid.uuid4().hex[:8]}.json"
     path.write_text(json.dumps(requests))
     cmd = [python, vllm_cpu_env.ENGINE_SCRIPT, "--model", checkpoint, "--dtype", dtype, "--tp", str(tp),
@@ -118,10 +119,11 @@ def run_engine(python, folder, checkpoint, dtype, tp, requests, connector=None) 
     host_tmp.mkdir(exist_ok=True)
     env = vllm_cpu_env.script_env({"RAY_TMPDIR": str(host_tmp)})
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S)
-    path.with_suffix(".log").write_text(done.stderr)  # the engine's own log, for a failure's reader
+    log = done.stdout + done.stderr  # vLLM logs to stdout
+    path.with_suffix(".log").write_text(log)  # for a failure's reader
     lines = [line for line in done.stdout.splitlines() if line.startswith("ENGINE_RESULT ")]
-    assert done.returncode == 0 and len(lines) == 1, f"exit {done.returncode}\n{done.stderr[-6000:]}"
-    return json.loads(lines[0].removeprefix("ENGINE_RESULT "))["outputs"]
+    assert done.returncode == 0 and len(lines) == 1, f"exit {done.returncode}\n{log[-6000:]}"
+    return json.loads(lines[0].removeprefix("ENGINE_RESULT "))["outputs"], log
 
 
 def _requests(files, special, uuids=None) -> list[dict]:
@@ -140,7 +142,7 @@ def monolithic(engine_python, stack, files):
             special = FAMILIES[family][1]
             requests = _requests(files, special)
             requests.append({"prompt": prompt(1, special), "images": [str(files["other"])], "uuids": None, "max_tokens": 8})
-            tokens = run_engine(engine_python, stack["folder"], stack["checkpoints"][family], dtype, 1, requests)
+            tokens, _ = run_engine(engine_python, stack["folder"], stack["checkpoints"][family], dtype, 1, requests)
             answers[family, dtype] = {**dict(zip(PROMPTS, tokens)), "other": tokens[-1]}
         return answers[family, dtype]
 
@@ -151,6 +153,14 @@ def _stage(http, app, req_id, image, tp):
     body = {"req_id": req_id, "receive_count": tp, "items": [image_item(image)], "wait": True}
     response = http.post(f"/{app}/v1/encode", json=body)
     assert response.status_code == 200 and response.json()["state"] == "staged", response.text
+
+
+def _stage_and_fail(http, app, req_id, corrupt, tp):
+    """An entry that is accepted, then fails: its image's header decodes, its pixels do not."""
+    body = {"req_id": req_id, "receive_count": tp, "items": [image_item(corrupt)], "wait": False}
+    assert http.post(f"/{app}/v1/encode", json=body).status_code in (200, 202)
+    described = http.get(f"/{app}/v1/requests/{req_id}", params={"wait_s": 30}).json()
+    assert described["state"] == "failed", described
 
 
 @pytest.mark.slow
@@ -166,14 +176,17 @@ def test_e_pd_tokens_equal_the_monolithic_engine_s(engine_python, stack, files, 
             if name == "never":
                 continue
             for req_id, image in zip(uuids[name], shown, strict=True):
+                if name == "failed":
+                    _stage_and_fail(http, app, req_id, IMAGES[image][:300], tp)
+                    continue
                 source = "other" if name == "control" else image  # the control's entry holds the stand-in
                 _stage(http, app, req_id, IMAGES[source], tp)
                 staged[req_id] = source
 
         connector = {"registry_name": f"epd_{family}_{dtype}", "registry_namespace": "epd",
                      "ray_address": stack["ray_address"], "watch_timeout_s": 2.0}
-        tokens = run_engine(engine_python, stack["folder"], stack["checkpoints"][family], dtype, tp,
-                            _requests(files, special, uuids), connector)
+        tokens, log = run_engine(engine_python, stack["folder"], stack["checkpoints"][family], dtype, tp,
+                                 _requests(files, special, uuids), connector)
         got = dict(zip(PROMPTS, tokens, strict=True))
 
         states = {req_id: http.get(f"/{app}/v1/requests/{req_id}").json() for req_id in staged}
@@ -186,3 +199,6 @@ def test_e_pd_tokens_equal_the_monolithic_engine_s(engine_python, stack, files, 
             assert described["state"] == "released" and described["received_ranks"] == list(range(tp)), described
         never = http.get(f"/{app}/v1/requests/{uuids['never'][0]}")  # the engine asked; nobody staged it
         assert never.status_code == 404 and never.json()["error"]["code"] == "unknown_request", never.text
+        # The failed entry: the chat got the monolithic answer, and the engine said why in one line.
+        failed = uuids["failed"][0]
+        assert [line for line in log.splitlines() if failed in line and "the engine encodes it itself" in line], log[-3000:]
