@@ -2,6 +2,7 @@
 cause, in the logs of the deployed components, and no traceback for a client's mistake."""
 
 import json
+import re
 import uuid
 
 import httpx
@@ -164,7 +165,9 @@ def test_health_probes_while_the_encoder_starts_leave_one_not_ready_line_each_an
 
         found = wait_until(not_ready_lines, 20, what="a 'not ready' line per probe")
         assert sum("not ready: waiting for the Encoder (no answer within 5 s)" in line for line in found) == 1, found
-        assert sum("the probe left after 0.5 s, waiting for the Encoder" in line for line in found) == 3, found
+        # The Ingress sees the client leave a little after its 0.5 s, later on a loaded machine.
+        left = re.compile(r"the probe left after \d+\.\d s, waiting for the Encoder")
+        assert sum(bool(left.search(line)) for line in found) == 3, found
         assert all(line.startswith("INFO") for line in found), found
         added = log_lines_since(offsets)
         noisy = {path: [l for l in lines if "Traceback" in l or "never retrieved" in l] for path, lines in added.items()}
