@@ -71,40 +71,6 @@ SMOKE_IMPORTS = (
     "sglang.srt.disaggregation.encoder.http_server"
 )
 
-_SHIM = '''\
-"""Written by tests/sglang_env.py: make torchvision 0.28 importable beside CPU torch 2.13.
-
-torchvision's _meta_registrations registers fake kernels for torchvision::nms and
-torchvision::qnms at import; the CUDA wheel's own ops library does not load here,
-so those operators do not exist and the import fails. Define the two schemas
-first, on the first import of torchvision only (nothing is imported at start-up).
-"""
-import sys
-
-
-class _TorchvisionOpSchemas:
-    _lib = None
-
-    @classmethod
-    def find_spec(cls, name, path=None, target=None):
-        if name != "torchvision" or cls._lib is not None:
-            return None
-        import torch
-
-        cls._lib = torch.library.Library("torchvision", "FRAGMENT")
-        for schema in (
-            "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
-            "qnms(Tensor qdets, Tensor scores, float iou_threshold) -> Tensor",
-        ):
-            try:
-                cls._lib.define(schema)
-            except RuntimeError:  # already defined (torchvision's own ops did load)
-                pass
-        return None  # let the regular finders import torchvision
-
-
-sys.meta_path.insert(0, _TorchvisionOpSchemas)
-'''
 
 # Qwen2-VL-2B's text and vision widths, one text layer: only a config (no weights) is ever
 # written, so the sizes cost nothing; SGLang reads it for ServerArgs and the model type.
@@ -141,7 +107,7 @@ RECIPE = side_venvs.Recipe(
     env_var="EPD_SGLANG_VENV",
     installs=(DEPENDENCIES, ("--no-deps", *NO_DEPS)),
     constraints=CONSTRAINTS,
-    files=(("sitecustomize.py", _SHIM),),
+    files=(("sitecustomize.py", side_venvs.TORCHVISION_OPS_SHIM),),
     smoke=SMOKE_IMPORTS,
     smoke_env={"SGLANG_HOST_IP": "127.0.0.1"},
 )

