@@ -30,6 +30,7 @@ from transformers.models.siglip import SiglipImageProcessorPil
 from encoder.base import StackingEncoder
 from encoder.checkpoint import CheckpointError, checkpoint_identity, construct, load_submodule, tensor_files
 from encoder.media import open_image
+from encoder.spec import EncoderSpec, spec_options
 from encoder.types import PreparedItem
 
 _TOWER_PREFIXES = ("vision_tower.", "model.vision_tower.")
@@ -126,3 +127,10 @@ class LlavaEncoder(StackingEncoder):
         if self.projector is not None:
             hidden = self.projector(hidden)
         return hidden.unbind(0)
+
+
+OPTIONS = LlavaOptions
+
+
+def build(spec: EncoderSpec, device: torch.device, dtype: torch.dtype) -> LlavaEncoder:
+    return LlavaEncoder(spec.family, spec.path, spec_options(LlavaOptions, spec), device, dtype)

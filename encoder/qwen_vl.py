@@ -31,6 +31,7 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransforme
 from encoder.base import VisionEncoder
 from encoder.checkpoint import CheckpointError, checkpoint_identity, construct, load_submodule, tensor_files
 from encoder.media import MediaError, open_image
+from encoder.spec import EncoderSpec, spec_options
 from encoder.types import PreparedItem, Video
 
 # Where each family keeps its vision weights, in the checkpoint spellings seen in the wild.
@@ -151,3 +152,10 @@ class QwenVLEncoder(VisionEncoder):
         grid = torch.tensor([item.meta["grid_thw"] for item in items], device=self.device)
         merged = self.tower(pixels, grid_thw=grid).pooler_output
         return list(torch.split(merged, (grid.prod(-1) // self.merge**2).tolist()))
+
+
+OPTIONS = QwenVLOptions
+
+
+def build(spec: EncoderSpec, device: torch.device, dtype: torch.dtype) -> QwenVLEncoder:
+    return QwenVLEncoder(spec.family, spec.path, spec_options(QwenVLOptions, spec), device, dtype)

@@ -1,16 +1,16 @@
-"""What to build: ``EncoderSpec`` and the family names (no torch: config validation uses it).
+"""What to build: ``EncoderSpec`` and the family table (no torch: config validation uses it).
 
 The app's config is validated in processes that never run a model (the ingress,
-the ``serve`` CLI), so the names live here and ``encoder.loader`` maps each to
-its builder.
+the ``serve`` CLI), so the family names live here. Adding a family is one module
+and one row of :data:`FAMILY_TABLE`: the module defines ``OPTIONS`` (a dataclass
+of its ``model.options``) and ``build(spec, device, dtype)``; the config's family
+list, the loader and the table in docs/models.md all come from the row.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
-
-FAMILIES = ("tiny-vit", "qwen2_5_vl", "qwen2_vl", "llava", "clip", "siglip")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,3 +22,53 @@ class EncoderSpec:
     dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # "auto": CUDA when torch sees a GPU, else CPU
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One row of the family table; ``what`` and ``metadata`` are the docs' words."""
+
+    name: str
+    module: str  # defines OPTIONS and build(spec, device, dtype)
+    what: str
+    metadata: str = ""
+
+
+FAMILY_TABLE: tuple[Family, ...] = (
+    Family("qwen2_5_vl", "encoder.qwen_vl",
+           "Qwen2.5-VL vision tower and patch merger (`transformers`); images and videos",
+           "`grid_thw`: [t, h, w] patches before merging, per image or video; tokens = t·h·w/4; `frames` for videos"),
+    Family("qwen2_vl", "encoder.qwen_vl", "Qwen2-VL vision tower and patch merger; images and videos",
+           "as `qwen2_5_vl`"),
+    Family("llava", "encoder.llava",
+           "a LLaVA checkpoint's CLIP or SigLIP tower, `vision_feature_layer` / `vision_feature_select_strategy` "
+           "as configured, then its projector"),
+    Family("clip", "encoder.llava", "a bare CLIP vision tower directory (no projector): the chosen layer's hidden states"),
+    Family("siglip", "encoder.llava", "a bare SigLIP vision tower directory (no projector): the chosen layer's hidden states"),
+    Family("tiny-vit", "encoder.tiny_vit", "a 2-layer seeded ViT of this project (tests and benchmarks)",
+           "`grid`: [rows, cols]"),
+)
+FAMILIES: tuple[str, ...] = tuple(row.name for row in FAMILY_TABLE)
+
+
+def family(name: str) -> Family:
+    for row in FAMILY_TABLE:
+        if row.name == name:
+            return row
+    raise ValueError(f"unknown model family {name!r}; choose one of {list(FAMILIES)}")
+
+
+def spec_options(cls: type, spec: EncoderSpec) -> Any:
+    """``spec.options`` as the family's options dataclass; unknown keys are named."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(spec.options) - known
+    if unknown:
+        raise ValueError(f"unknown {spec.family} options {sorted(unknown)}; known: {sorted(known)}")
+    return cls(**spec.options)
+
+
+def families_markdown() -> str:
+    """The family table of docs/models.md."""
+    lines = ["| `model.family` | what | item metadata |", "|---|---|---|"]
+    lines += [f"| `{row.name}` | {row.what} | {row.metadata} |" for row in FAMILY_TABLE]
+    return "\n".join(lines) + "\n"

@@ -24,6 +24,7 @@ from torch import nn
 
 from encoder.base import StackingEncoder
 from encoder.media import open_image
+from encoder.spec import EncoderSpec, spec_options
 from encoder.types import PreparedItem
 
 
@@ -149,3 +150,12 @@ class TinyViTEncoder(StackingEncoder):
 
     def forward(self, pixels: torch.Tensor, batch_key: tuple) -> Sequence[torch.Tensor]:
         return self.model(pixels, batch_key).unbind(0)
+
+
+OPTIONS = TinyViTConfig
+
+
+def build(spec: EncoderSpec, device: torch.device, dtype: torch.dtype) -> TinyViTEncoder:
+    if spec.path is not None:
+        raise ValueError("tiny-vit is built from its options and takes no model.path")
+    return TinyViTEncoder(spec_options(TinyViTConfig, spec), device, dtype)

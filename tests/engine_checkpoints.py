@@ -15,8 +15,10 @@ tokens test what they should: that the engine got the same embeddings.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
+from typing import Any, Callable
 
 from models import LLAVA_IMAGE_TOKEN, QWEN_IMAGE_TOKEN, QWEN_VIDEO_TOKEN, QWEN_VISION_END, QWEN_VISION_START, save_llava, save_qwen2_5_vl
 
@@ -68,9 +70,29 @@ def save_llava_for_engines(path: str, seed: int = 0, lm_head_scale: float = LM_H
     return model
 
 
-def prompt(images: int, special: dict[str, int], text_ids: tuple[int, ...] = (5, 6, 7)) -> str:
-    """A prompt with ``images`` image placeholders, each followed by ordinary tokens."""
-    image = QWEN_IMAGE if "<|image_pad|>" in special else LLAVA_IMAGE
+@dataclasses.dataclass(frozen=True)
+class EngineCheckpoint:
+    """A tiny full checkpoint an engine loads, as the engine tests use it."""
+
+    save: Callable[[str], Any]  # save(path): weights, processor, tokenizer and chat template
+    image: str  # one image's placeholder in a prompt
+    family: str = ""  # the service's model.family, when it differs from the table's key
+
+
+# Keyed by what the tests call the checkpoint (its vLLM architecture's family).
+ENGINE_CHECKPOINTS = {
+    "qwen2_5_vl": EngineCheckpoint(save_qwen_for_engines, QWEN_IMAGE),
+    "llava": EngineCheckpoint(save_llava_for_engines, LLAVA_IMAGE),
+}
+
+
+def engine_family(name: str) -> str:
+    """The service's ``model.family`` for the engine checkpoint ``name``."""
+    return ENGINE_CHECKPOINTS[name].family or name
+
+
+def prompt(images: int, image: str, text_ids: tuple[int, ...] = (5, 6, 7)) -> str:
+    """A prompt with ``images`` placeholders ``image``, each followed by ordinary tokens."""
     words = ["<s>", "t4"]
     for _ in range(images):
         words += [image, *(f"t{i}" for i in text_ids)]

@@ -22,13 +22,12 @@ import yaml
 
 import vllm_cpu_env
 from benchmarks.cluster import free_port
-from engine_checkpoints import LLAVA_SPECIAL, QWEN_SPECIAL, prompt, save_llava_for_engines, save_qwen_for_engines
+from engine_checkpoints import ENGINE_CHECKPOINTS, engine_family, prompt
 from serve_run import gcs_address, serve_run
 from support import image_bytes, image_item
 
-FAMILIES = {"qwen2_5_vl": (save_qwen_for_engines, QWEN_SPECIAL), "llava": (save_llava_for_engines, LLAVA_SPECIAL)}
-# (family, dtype of the model and of what is staged, TP of the E+PD engine): each dtype and
-# each TP size once per family.
+# (engine checkpoint, dtype of the model and of what is staged, TP of the E+PD engine): each
+# dtype and each TP size once for the first two; each further family once.
 CASES = [("qwen2_5_vl", "float32", 1), ("qwen2_5_vl", "bfloat16", 2), ("llava", "bfloat16", 1), ("llava", "float32", 2)]
 ENGINE_TIMEOUT_S = 420
 
@@ -85,15 +84,15 @@ def stack(tmp_path_factory):
     """``serve run`` of one app per (family, dtype): ``{(family, dtype): prefix}``, the URL, the cluster."""
     folder = tmp_path_factory.mktemp("engine-stack")
     port, apps, checkpoints = free_port(), [], {}
-    for family, (save, _) in FAMILIES.items():
+    for family in sorted({family for family, _, _ in CASES}):
         checkpoints[family] = str(folder / family)
-        save(checkpoints[family])
+        ENGINE_CHECKPOINTS[family].save(checkpoints[family])
     for family, dtype in sorted({(family, dtype) for family, dtype, _ in CASES}):
         name = f"{family}-{dtype}"
         apps.append({
             "name": name, "route_prefix": f"/{name}", "import_path": "deployments.app:build_app",
             "args": {"registry_name": f"epd_{family}_{dtype}", "registry_namespace": "epd",
-                     "model": {"family": family, "path": checkpoints[family], "dtype": dtype}},
+                     "model": {"family": engine_family(family), "path": checkpoints[family], "dtype": dtype}},
             "deployments": [{"name": "Encoder", "ray_actor_options": {"num_cpus": 0}},
                             {"name": "Ingress", "ray_actor_options": {"num_cpus": 0}}],
         })
@@ -126,8 +125,8 @@ def run_engine(python, folder, checkpoint, dtype, tp, requests, connector=None) 
     return json.loads(lines[0].removeprefix("ENGINE_RESULT "))["outputs"], log
 
 
-def _requests(files, special, uuids=None) -> list[dict]:
-    return [{"prompt": prompt(len(shown), special), "images": [str(files[i]) for i in shown],
+def _requests(files, image, uuids=None) -> list[dict]:
+    return [{"prompt": prompt(len(shown), image), "images": [str(files[i]) for i in shown],
              "uuids": uuids[name] if uuids else None, "max_tokens": 8} for name, shown in PROMPTS.items()]
 
 
@@ -139,9 +138,9 @@ def monolithic(engine_python, stack, files):
 
     def answer(family, dtype):
         if (family, dtype) not in answers:
-            special = FAMILIES[family][1]
-            requests = _requests(files, special)
-            requests.append({"prompt": prompt(1, special), "images": [str(files["other"])], "uuids": None, "max_tokens": 8})
+            image = ENGINE_CHECKPOINTS[family].image
+            requests = _requests(files, image)
+            requests.append({"prompt": prompt(1, image), "images": [str(files["other"])], "uuids": None, "max_tokens": 8})
             tokens, _ = run_engine(engine_python, stack["folder"], stack["checkpoints"][family], dtype, 1, requests)
             answers[family, dtype] = {**dict(zip(PROMPTS, tokens)), "other": tokens[-1]}
         return answers[family, dtype]
@@ -166,7 +165,7 @@ def _stage_and_fail(http, app, req_id, corrupt, tp):
 @pytest.mark.slow
 @pytest.mark.parametrize("family, dtype, tp", CASES, ids=[f"{f}-{d}-tp{t}" for f, d, t in CASES])
 def test_e_pd_tokens_equal_the_monolithic_engine_s(engine_python, stack, files, monolithic, family, dtype, tp):
-    app, special = f"{family}-{dtype}", FAMILIES[family][1]
+    app, placeholder = f"{family}-{dtype}", ENGINE_CHECKPOINTS[family].image
     expected = monolithic(family, dtype)
     assert expected["other"] != expected["photo"], "the control's two images must give different answers"
     uuids = {name: [f"{name}-{i}-{uuid.uuid4().hex[:10]}" for i in range(len(shown))] for name, shown in PROMPTS.items()}
@@ -186,7 +185,7 @@ def test_e_pd_tokens_equal_the_monolithic_engine_s(engine_python, stack, files, 
         connector = {"registry_name": f"epd_{family}_{dtype}", "registry_namespace": "epd",
                      "ray_address": stack["ray_address"], "watch_timeout_s": 2.0}
         tokens, log = run_engine(engine_python, stack["folder"], stack["checkpoints"][family], dtype, tp,
-                                 _requests(files, special, uuids), connector)
+                                 _requests(files, placeholder, uuids), connector)
         got = dict(zip(PROMPTS, tokens, strict=True))
 
         states = {req_id: http.get(f"/{app}/v1/requests/{req_id}").json() for req_id in staged}

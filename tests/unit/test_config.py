@@ -97,3 +97,13 @@ def test_encode_request_validation(body, message):
 def test_encode_request_defaults():
     req = parse_encode_request({"items": [ITEM]})
     assert req.req_id is None and req.receive_count is None and req.wait is True
+
+
+def test_the_family_table_in_the_docs_is_the_one_the_config_uses():
+    from encoder.spec import FAMILY_TABLE, families_markdown
+
+    assert families_markdown() in (ROOT / "docs" / "models.md").read_text()
+    with pytest.raises(ValueError, match="unknown model family 'qwen9'"):
+        AppConfig(model={"family": "qwen9"})
+    for row in FAMILY_TABLE:
+        assert AppConfig(model={"family": row.name}).model.family == row.name

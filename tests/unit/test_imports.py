@@ -1,6 +1,7 @@
 """What the light processes import: the Ingress and the registry never load torch, and a
 decoder rank that only fetches never loads Ray Serve."""
 
+import dataclasses
 import subprocess
 import sys
 
@@ -31,10 +32,15 @@ def test_a_decoder_rank_importing_the_receiver_does_not_load_serve():
 
 
 def test_model_parts_still_load_on_first_use():
-    import encoder
-    from encoder.loader import _FAMILIES
+    import importlib
 
-    assert set(_FAMILIES) == set(FAMILIES)  # every family name the config accepts can be built
+    import encoder
+    from encoder.spec import FAMILY_TABLE
+
+    for row in FAMILY_TABLE:  # every family name the config accepts names a module that builds it
+        module = importlib.import_module(row.module)
+        assert callable(module.build) and dataclasses.is_dataclass(module.OPTIONS), row
+    assert [row.name for row in FAMILY_TABLE] == list(FAMILIES)
     assert encoder.build_encoder.__module__ == "encoder.loader"
     assert encoder.VisionEncoder.__module__ == "encoder.base"
 
