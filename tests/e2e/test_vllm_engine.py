@@ -79,15 +79,25 @@ def files(tmp_path_factory):
     return paths
 
 
+def selected_cases(request) -> list[tuple[str, str, int]]:
+    """The cases of this session's selected tests (``-k`` may pick a few): only their
+    checkpoints are made and served."""
+    chosen = [(item.callspec.params["family"], item.callspec.params["dtype"], item.callspec.params.get("tp", 1))
+              for item in request.session.items
+              if item.module is request.module and hasattr(item, "callspec") and "family" in item.callspec.params]
+    return chosen or CASES
+
+
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def stack(request, tmp_path_factory):
     """``serve run`` of one app per (family, dtype): ``{(family, dtype): prefix}``, the URL, the cluster."""
     folder = tmp_path_factory.mktemp("engine-stack")
     port, apps, checkpoints = free_port(), [], {}
-    for family in sorted({family for family, _, _ in CASES}):
+    cases = selected_cases(request)
+    for family in sorted({family for family, _, _ in cases}):
         checkpoints[family] = str(folder / family)
         ENGINE_CHECKPOINTS[family].save(checkpoints[family])
-    for family, dtype in sorted({(family, dtype) for family, dtype, _ in CASES}):
+    for family, dtype in sorted({(family, dtype) for family, dtype, _ in cases}):
         name = f"{family}-{dtype}"
         apps.append({
             "name": name, "route_prefix": f"/{name}", "import_path": "deployments.app:build_app",
