@@ -244,6 +244,13 @@ class ProxyConfig(BaseModel):
     encoder_app: str = Field("epd", min_length=1, description="Name of the Serve application of this encoder service.")
     timeout_s: float = Field(600.0, gt=0, description="Seconds for one upstream request (and for its items to be staged).")
     max_request_bytes: int = Field(64 * _MiB, ge=1, description="Largest chat request body, in bytes (else 413).")
+    local_fallback: bool = Field(
+        True,
+        description="An image the encoder service cannot deliver (it is unreachable or overloaded, or the item's "
+        "encode failed, expired, was cancelled or lost) is still forwarded, for vLLM to encode itself (its "
+        "connector's local_fallback must be on too); false fails the chat with the item's error instead. A "
+        "client's bad image fails the chat either way.",
+    )
 
     @field_validator("vllm_url")
     @classmethod

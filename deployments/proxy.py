@@ -4,31 +4,43 @@ vLLM names each multimodal item by the ``uuid`` a client sets on its chat conten
 part, and its encoder-cache connector loads the item's embedding staged under that
 name. The proxy lets ordinary OpenAI clients use that: per chat request
 
-1. parse the body (``messages[*].content`` parts; 422 ``invalid_request`` if malformed);
-2. give every ``image_url`` part a content-derived ``uuid`` (``content_uuid``: the same
-   image for the same vLLM instance and TP size gives the same uuid, so vLLM's prefix
-   and encoder caches keep working across requests) and submit each distinct one as a
-   one-item encode (``wait: false``, ``receive_count`` = the TP size) to the epd app,
-   all at once. A uuid the client set is replaced (only ours names something staged);
-   for an http(s) URL the uuid is of the URL text, so changed content behind a URL
-   whose entry is still live answers ``conflict``. A submit error fails the request
-   with that error and nothing is forwarded; ``already_released`` is not an error:
-   this vLLM instance already got that content (it uses its own cache or encodes the
-   item itself);
+1. parse the body (``deployments.chat_request``; 422 ``invalid_request`` if malformed) and
+   give every ``image_url`` part a content-derived ``uuid`` (the same image for the same
+   vLLM instance and TP size gives the same uuid, so vLLM's prefix and encoder caches
+   keep working). A uuid the client set is replaced (only ours names something staged);
+   for an http(s) URL the uuid is of the URL text, so changed content behind a URL whose
+   entry is still live answers ``conflict``;
+2. submit each distinct image as a one-item encode (``wait: false``, ``receive_count`` =
+   the TP size) to the epd app, all at once. ``already_released`` is not an error: this
+   vLLM instance already got that content (it uses its own cache or encodes it itself);
 3. forward the body, uuids set, to ``{vllm_url}/v1/chat/completions`` at once (vLLM
    holds the request until the items are staged, so encoding overlaps its
    tokenization) and meanwhile wait for each item to leave ``pending``;
-4. an item that ends failed, expired or cancelled first closes the upstream request
-   and answers that item's error; otherwise the upstream answer is relayed once every
-   item is staged or released: its status and JSON body, or (``"stream": true``) its
-   server-sent events chunk by chunk as they arrive.
+4. relay the answer once every item is staged, released or left to vLLM: its status and
+   JSON body, or (``"stream": true``) its server-sent events chunk by chunk.
 
-Only ``image_url`` parts are staged. Other parts (text, ``video_url``,
-``input_audio``, ...) are forwarded untouched: this service encodes videos given as
-frame lists, not video files, so vLLM handles those itself.
+**Degrade, don't fail** (``local_fallback``, on by default). vLLM's connector encodes an
+item itself when the service cannot deliver it, so the proxy forwards the chat anyway
+when the service fails: a submit that answers ``unavailable``, ``overloaded`` or an error
+of the service's own, or an item that ends failed (other than for a bad image), expired,
+cancelled, or lost with its registry shard. One WARNING line, ``req_id=<uuid>: <why>;
+vLLM encodes it itself``, says which and why (``ITEM_ERROR_ACTIONS`` decides per code).
+A client's error (``invalid_request``: a bad image or URL; ``payload_too_large``;
+``conflict``) fails the chat with its code either way, and closes the upstream request;
+with ``local_fallback: false`` every item error does.
 
-Entries this proxy submitted but vLLM never fetches (the upstream failed, or another
-item of the request failed) are not cancelled here, as another chat request may
+**One retry.** vLLM answers 5xx when it fails a request it accepted because of its images
+(a worker could not load a staged item, or one it failed to load before is named again).
+The proxy then sends the chat once more, its images submitted again under fresh names
+(``ChatRequest.rename``: the engine holds a placeholder under the old ones), and logs one
+line saying so. A stream is retried only while nothing has reached the client
+(``deployments.upstream``); vLLM learns of a load that failed during the request one
+step late, after that step's token was streamed, so such a stream is relayed as it is. A
+second failure is relayed as vLLM answered it.
+
+Other parts (text, ``video_url``, ``input_audio``, ...) are forwarded untouched: this
+service encodes videos given as frame lists, not video files. Entries this proxy
+submitted but vLLM never fetches are not cancelled here, as another chat request may
 share them (same content, same uuid); the registry expires them after ``ttl_s``.
 
 Python::
@@ -45,12 +57,8 @@ the ``ProxyConfig`` keys under ``args``.
 
 # No `from __future__ import annotations`: FastAPI reads the route methods' annotations at runtime.
 import asyncio
-import dataclasses
-import hashlib
-import json
 import logging
-import uuid
-from typing import Any, AsyncIterator, Awaitable, Iterable
+from typing import Any, Awaitable, Iterable
 
 import httpx
 from fastapi import FastAPI, Request
@@ -60,23 +68,32 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, RayServeException
 from ray.serve.handle import DeploymentHandle
 
+from deployments.chat_request import ChatRequest, content_uuid, parse_chat_request
 from deployments.config import ProxyConfig
 from deployments.http_api import error_response, read_body
+from deployments.upstream import Upstream
 from registry.errors import (
     ERRORS_BY_CODE,
     AlreadyReleased,
     Cancelled,
+    Conflict,
     EncodeFailed,
     Expired,
+    InvalidRank,
     InvalidRequest,
     NotReady,
     Overloaded,
+    PayloadTooLarge,
     RegistryError,
+    Unauthorized,
     Unavailable,
+    UnknownRequest,
     http_status,
     unwrap,
 )
 from registry.logs import get_logger, quiet_client_errors
+
+__all__ = ["EPDProxy", "ITEM_ERROR_ACTIONS", "content_uuid", "parse_chat_request"]
 
 logger = get_logger(__name__)
 
@@ -85,7 +102,29 @@ logger = get_logger(__name__)
 # costs little, long enough to be one call per item in practice.
 _DESCRIBE_SLICE_S = 30.0
 _READY_STATES = ("staged", "released")  # released: a fast vLLM instance already fetched it
+_FALLBACK = "fallback"  # an item left to vLLM's own vision tower
 _ENDED_ERRORS: dict[str, type[RegistryError]] = {"failed": EncodeFailed, "expired": Expired, "cancelled": Cancelled}
+
+# What an item's error does to its chat, per code (a closed set: every code has an action).
+# fail: the client's input is wrong, vLLM could not do better with it; forward: vLLM has the
+# item already; fallback: the service could not deliver it, vLLM encodes it itself
+# (with local_fallback; else the chat fails with it).
+ITEM_ERROR_ACTIONS: dict[str, str] = {
+    InvalidRequest.code: "fail",
+    PayloadTooLarge.code: "fail",
+    Conflict.code: "fail",
+    Unauthorized.code: "fail",
+    InvalidRank.code: "fail",
+    AlreadyReleased.code: "forward",
+    Unavailable.code: "fallback",
+    Overloaded.code: "fallback",
+    EncodeFailed.code: "fallback",
+    RegistryError.code: "fallback",  # internal: a failure of the service's own
+    NotReady.code: "fallback",
+    Expired.code: "fallback",
+    Cancelled.code: "fallback",
+    UnknownRequest.code: "fallback",  # the entry was lost: its registry shard restarted
+}
 
 proxy_api = FastAPI(
     title="epd-proxy",
@@ -97,73 +136,6 @@ proxy_api = FastAPI(
 @proxy_api.exception_handler(RegistryError)
 async def _on_registry_error(_: Request, exc: RegistryError) -> JSONResponse:
     return error_response(exc)
-
-
-def content_uuid(vllm_url: str, tensor_parallel_size: int, url: str) -> str:
-    """The ``uuid`` of an image part: a function of the vLLM instance, its TP size and the
-    image URL or data URI, so that the same image always gets the same name there.
-    A UUID string, which also matches the encoder's ``req_id`` pattern."""
-    key = f"{vllm_url}|{tensor_parallel_size}|{url}".encode()
-    return str(uuid.UUID(bytes=hashlib.blake2b(key, digest_size=16).digest()))
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ChatRequest:
-    """A parsed chat body with ``uuid`` set on its image parts, and what to encode per uuid."""
-
-    body: dict[str, Any]
-    items: dict[str, dict[str, Any]]  # uuid -> our one-item encode item
-    where: dict[str, str]  # uuid -> the first part carrying it, for error messages
-
-    @property
-    def req_ids(self) -> list[str]:
-        return list(self.items)
-
-
-def parse_chat_request(raw: bytes, vllm_url: str, tensor_parallel_size: int) -> ChatRequest:
-    """Parse a chat completions body and name its image parts (sets ``part["uuid"]``).
-
-    Raises:
-        InvalidRequest: not JSON, nested too deeply, not an object, ``messages`` not a
-            list, a message or content part not an object, an ``image_url`` part
-            without a string ``image_url.url``.
-    """
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise InvalidRequest("the request body is not valid JSON: nested too deeply") from None
-    if not isinstance(body, dict):
-        raise InvalidRequest(f"the request body must be a JSON object, got {type(body).__name__}")
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        raise InvalidRequest('"messages" must be a list of message objects')
-    items: dict[str, dict[str, Any]] = {}
-    where: dict[str, str] = {}
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise InvalidRequest(f"messages[{i}] must be an object, got {type(message).__name__}")
-        content = message.get("content")
-        if not isinstance(content, list):  # a string, or absent: nothing to stage
-            continue
-        for j, part in enumerate(content):
-            at = f"messages[{i}].content[{j}]"
-            if not isinstance(part, dict):
-                raise InvalidRequest(f"{at} must be an object, got {type(part).__name__}")
-            if part.get("type") != "image_url":
-                continue
-            image_url = part.get("image_url")
-            url = image_url.get("url") if isinstance(image_url, dict) else None
-            if not isinstance(url, str) or not url:
-                raise InvalidRequest(f'{at}: an "image_url" part needs "image_url": {{"url": "..."}}')
-            part_uuid = content_uuid(vllm_url, tensor_parallel_size, url)
-            # A client's own uuid is replaced: only ours names something staged.
-            part["uuid"] = part_uuid
-            if part_uuid not in items:
-                items[part_uuid] = {"type": "image_url", "image_url": {"url": url}}
-                where[part_uuid] = at
-    return ChatRequest(body=body, items=items, where=where)
 
 
 async def _all_or_first_error(aws: Iterable[Awaitable[Any]]) -> list[Any]:
@@ -208,19 +180,12 @@ class EPDProxy:
     def __init__(self, config: dict[str, Any]):
         quiet_client_errors()
         self._config = ProxyConfig.model_validate(config)
-        # One client per replica: its connection pool is shared by every request. No
-        # connection cap (max_ongoing_requests bounds them), and no proxies from the
-        # environment: the vLLM server is a peer in the cluster.
-        self._client = httpx.AsyncClient(
-            timeout=httpx.Timeout(self._config.timeout_s),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
-            trust_env=False,
-        )
+        self._upstream = Upstream(self._config.vllm_url, self._config.timeout_s)
         self._encoder: DeploymentHandle | None = None
 
     async def __del__(self) -> None:
         # Serve calls this on graceful shutdown.
-        await self._client.aclose()
+        await self._upstream.aclose()
 
     # --- the encoder app ------------------------------------------------------------
 
@@ -246,7 +211,7 @@ class EPDProxy:
             raise RegistryError("the proxy failed calling the encoder service; the cause is in the proxy's log") from None
 
     async def _submit(self, chat: ChatRequest, req_id: str) -> str:
-        """Submit one item; its state (``released`` for ``already_released``)."""
+        """Submit one item; its state (``released`` for ``already_released``, or ``_FALLBACK``)."""
         body = {
             "req_id": req_id,
             "receive_count": self._config.tensor_parallel_size,
@@ -255,76 +220,52 @@ class EPDProxy:
         }
         try:
             out = await self._call_encoder("encode", body)
-        except AlreadyReleased:
+        except RegistryError as exc:
+            return self._on_item_error(chat, req_id, exc, "submitting it failed")
+        return out["state"]
+
+    async def _wait_ready(self, chat: ChatRequest, req_id: str, deadline: float) -> None:
+        """Return once ``req_id`` is staged or released, or left to vLLM; raise what fails the chat."""
+        loop = asyncio.get_running_loop()
+        try:
+            while (remaining := deadline - loop.time()) > 0:
+                described = await self._call_encoder("describe", req_id, min(remaining, _DESCRIBE_SLICE_S))
+                state = described["state"]
+                if state in _READY_STATES:
+                    return
+                if state != "pending":
+                    raise _ended_error(req_id, described)
+            raise NotReady(f"req_id {req_id} was not staged within {self._config.timeout_s}s (timeout_s)", req_id)
+        except RegistryError as exc:
+            self._on_item_error(chat, req_id, exc, "it was not staged")
+
+    def _on_item_error(self, chat: ChatRequest, req_id: str, error: RegistryError, what: str) -> str:
+        """The item's state from now on, after ``error``; raises it if it fails the chat."""
+        action = ITEM_ERROR_ACTIONS.get(error.code, "fallback")
+        if action == "forward":
             logger.info(
                 "req_id=%s: already released to this vLLM instance; forwarding (vLLM uses its own cache "
                 "or encodes the item itself)", req_id,
             )
             return "released"
-        except InvalidRequest as exc:
-            raise _located(exc, chat.where[req_id]) from None
-        return out["state"]
-
-    async def _wait_ready(self, chat: ChatRequest, req_id: str, deadline: float) -> None:
-        """Return once ``req_id`` is staged or released; raise its error if it ended otherwise."""
-        loop = asyncio.get_running_loop()
-        while (remaining := deadline - loop.time()) > 0:
-            described = await self._call_encoder("describe", req_id, min(remaining, _DESCRIBE_SLICE_S))
-            state = described["state"]
-            if state in _READY_STATES:
-                return
-            if state != "pending":
-                error = _ended_error(req_id, described)
-                raise _located(error, chat.where[req_id]) if isinstance(error, InvalidRequest) else error
-        raise NotReady(f"req_id {req_id} was not staged within {self._config.timeout_s}s (timeout_s)", req_id)
+        if action == "fallback" and self._config.local_fallback:
+            # Once per item and chat; the cause of a failure of the service's own is in its log.
+            logger.warning("req_id=%s: %s ([%s] %s); vLLM encodes it itself", req_id, what, error.code, error.message)
+            return _FALLBACK
+        raise _located(error, chat.where[req_id]) if isinstance(error, InvalidRequest) else error
 
     # --- upstream -------------------------------------------------------------------
-
-    def _upstream_request(self, request: Request, method: str, path: str, content: bytes | None = None) -> httpx.Request:
-        headers = {"accept": request.headers.get("accept", "*/*")}
-        if content is not None:
-            headers["content-type"] = "application/json"
-        if "authorization" in request.headers:
-            headers["authorization"] = request.headers["authorization"]
-        return self._client.build_request(method, f"{self._config.vllm_url}{path}", content=content, headers=headers)
-
-    async def _send(self, upstream: httpx.Request) -> httpx.Response:
-        try:
-            return await self._client.send(upstream, stream=True)
-        except httpx.HTTPError as exc:
-            raise Unavailable("the model server is not reachable; retry shortly") from exc
-
-    async def _buffered(self, upstream: httpx.Response) -> Response:
-        """The whole upstream answer: its status, body and content type."""
-        try:
-            content = await upstream.aread()
-        except httpx.HTTPError as exc:
-            raise Unavailable("the model server's answer broke off; retry") from exc
-        finally:
-            await upstream.aclose()
-        return Response(content, status_code=upstream.status_code, media_type=upstream.headers.get("content-type"))
-
-    async def _relay(self, upstream: httpx.Response, req_ids: list[str]) -> AsyncIterator[bytes]:
-        """The upstream bytes as they arrive; a broken stream ends with an SSE error event."""
-        try:
-            async for chunk in upstream.aiter_bytes():
-                yield chunk
-        except httpx.HTTPError as exc:
-            logger.error("chat stream (req_ids=%s) broke off upstream: %r", req_ids, exc)
-            error = Unavailable("the model server's stream broke off; retry")
-            yield f"data: {json.dumps(error.to_dict(mask=True))}\n\n".encode()
-        finally:
-            await upstream.aclose()
 
     async def _forward_when_ready(self, chat: ChatRequest, upstream: httpx.Request, waiting: list[str]) -> httpx.Response:
         """Send ``upstream`` and wait for the ``waiting`` items at the same time.
 
         Returns the upstream response (headers read, body not) once every item is
-        staged or released; an item's error, or the upstream's, closes the other side.
+        staged, released or left to vLLM; an error that fails the chat, or the
+        upstream's, closes the other side.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._config.timeout_s
-        send = asyncio.ensure_future(self._send(upstream))
+        send = asyncio.ensure_future(self._upstream.send(upstream))
         ready = asyncio.ensure_future(_all_or_first_error(self._wait_ready(chat, r, deadline) for r in waiting))
         handed_over = False
         try:
@@ -342,6 +283,44 @@ class EPDProxy:
             if not handed_over and send.done() and not send.cancelled() and send.exception() is None:
                 await send.result().aclose()
 
+    async def _attempt(self, request: Request, chat: ChatRequest, *, may_retry: bool) -> Response | None:
+        """Stage ``chat``'s images and forward it once: the answer to relay, or None when it
+        failed in a way a retry may fix and ``may_retry`` (``chat`` is renamed for it then)."""
+        states = await _all_or_first_error(self._submit(chat, r) for r in chat.req_ids)
+        waiting = [r for r, state in zip(chat.req_ids, states) if state not in (*_READY_STATES, _FALLBACK)]
+        # Threads: serializing a large body blocks.
+        content = await asyncio.to_thread(chat.encoded_body)
+        upstream = await self._forward_when_ready(
+            chat, self._upstream.request(request, "POST", "/v1/chat/completions", content), waiting
+        )
+        status = upstream.status_code
+        if status >= 500 and may_retry:
+            answer = await self._upstream.buffered(upstream)
+            self._rename_for_retry(chat, f"the model server answered {status} ({bytes(answer.body)[:300]!r})")
+            return None
+        if status >= 400:
+            logger.info("chat request (req_ids=%s): the model server answered %d", chat.req_ids, status)
+        if not chat.stream or status >= 400:
+            return await self._upstream.buffered(upstream)
+        start = await self._upstream.first_events(upstream)
+        if start.failure is not None and may_retry:
+            await upstream.aclose()
+            self._rename_for_retry(chat, f"its stream failed before any output ({start.failure})")
+            return None
+        return StreamingResponse(
+            self._upstream.relay(upstream, start, chat.req_ids),
+            status_code=status,
+            media_type=upstream.headers.get("content-type", "text/event-stream"),
+        )
+
+    @staticmethod
+    def _rename_for_retry(chat: ChatRequest, why: str) -> None:
+        renamed = chat.rename()
+        logger.warning(
+            "chat request (req_ids=%s): %s; retrying it once, its images named afresh (req_ids=%s)",
+            list(renamed), why, list(renamed.values()),
+        )
+
     # --- HTTP -----------------------------------------------------------------------
 
     @proxy_api.post("/v1/chat/completions")
@@ -351,27 +330,12 @@ class EPDProxy:
         try:
             raw = await read_body(request, self._config.max_request_bytes)
             cfg = self._config
-            # Threads: parsing, hashing data URIs and serializing a large body block.
+            # Threads: parsing and hashing data URIs block.
             chat = await asyncio.to_thread(parse_chat_request, raw, cfg.vllm_url, cfg.tensor_parallel_size)
-            states = await _all_or_first_error(self._submit(chat, r) for r in chat.req_ids)
-            waiting = [r for r, state in zip(chat.req_ids, states) if state not in _READY_STATES]
-            content = await asyncio.to_thread(lambda: json.dumps(chat.body).encode())
-            upstream = await self._forward_when_ready(
-                chat, self._upstream_request(request, "POST", "/v1/chat/completions", content), waiting
-            )
-        except RegistryError as exc:
-            self._log_failure(exc, chat)
-            return error_response(exc)
-        if upstream.status_code >= 400:
-            logger.info("chat request (req_ids=%s): the model server answered %d", chat.req_ids, upstream.status_code)
-        if chat.body.get("stream") is True and upstream.status_code < 400:
-            return StreamingResponse(
-                self._relay(upstream, chat.req_ids),
-                status_code=upstream.status_code,
-                media_type=upstream.headers.get("content-type", "text/event-stream"),
-            )
-        try:
-            return await self._buffered(upstream)
+            answer = await self._attempt(request, chat, may_retry=True)
+            if answer is None:
+                answer = await self._attempt(request, chat, may_retry=False)
+            return answer
         except RegistryError as exc:
             self._log_failure(exc, chat)
             return error_response(exc)
@@ -380,7 +344,7 @@ class EPDProxy:
     async def models(self, request: Request) -> Response:
         """The model server's ``/v1/models``, relayed."""
         try:
-            return await self._buffered(await self._send(self._upstream_request(request, "GET", "/v1/models")))
+            return await self._upstream.buffered(await self._upstream.send(self._upstream.request(request, "GET", "/v1/models")))
         except RegistryError as exc:
             self._log_failure(exc, None)
             return error_response(exc)

@@ -9,6 +9,7 @@ or that the last one failed.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
@@ -65,9 +66,30 @@ class RegistryFinder:
 
         try:
             if not ray.is_initialized():
-                ray.init(address=self._address)
+                ray.init(address=cluster_address(self._address))
             self._result = Shards.lookup(self._name, self._namespace)
         except (Unavailable, ConnectionError) as exc:
             self._result = exc
         except Exception as exc:  # noqa: BLE001 - whatever it is, the caller goes on without a registry
             self._result = Unavailable(f"looking the registry up failed ({type(exc).__name__}: {exc})")
+
+
+def cluster_address(address: str) -> str:
+    """Where ``ray.init`` connects a process without Ray for the configured ``address``.
+
+    ``"auto"`` in a process that a Ray worker started (vLLM's engine core and ``mp``
+    workers under Ray Serve LLM: they inherit the worker's ``RAY_RAYLET_PID``) is that
+    worker's cluster, the raylet's ``--gcs-address``. Ray's own ``"auto"`` takes the
+    cluster ``ray start`` recorded last, else any GCS process on the host: on a host
+    running several clusters (one ``serve run`` each), not necessarily the one that
+    runs this engine. ``RAY_ADDRESS``, when set, wins as it does in ``ray.init``.
+    """
+    if address != "auto" or os.environ.get("RAY_ADDRESS"):
+        return address
+    raylet_pid = os.environ.get("RAY_RAYLET_PID", "")
+    try:
+        with open(f"/proc/{int(raylet_pid)}/cmdline", "rb") as f:
+            args = f.read().decode(errors="replace").split("\0")
+    except (ValueError, OSError):  # not under a Ray worker, or not Linux
+        return address
+    return next((arg.split("=", 1)[1] for arg in args if arg.startswith("--gcs-address=")), address)

@@ -33,14 +33,17 @@ def healthy(health_urls: Iterable[str] = (f"{URL}/health",)) -> bool:
 
 @contextlib.contextmanager
 def serve_run(
-    log_path: pathlib.Path, config: str = "serve_config.yaml", port: int = 8000, health_urls: Iterable[str] = (f"{URL}/health",)
+    log_path: pathlib.Path, config: str = "serve_config.yaml", port: int = 8000, health_urls: Iterable[str] = (f"{URL}/health",),
+    *, python: str | None = None, env: dict[str, str] | None = None, timeout_s: float = 180,
 ) -> Iterator[subprocess.Popen]:
     """Start ``serve run config`` (a path relative to the repository, or absolute; its
-    ``http_options`` on ``port``), wait until every one of ``health_urls`` answers 200, yield
-    the process; stop exactly its process group afterwards (never ``ray stop``)."""
+    ``http_options`` on ``port``), wait up to ``timeout_s`` until every one of ``health_urls``
+    answers 200, yield the process; stop exactly its process group afterwards (never ``ray
+    stop``). ``python``: the interpreter of another venv, whose ``serve`` runs instead (with
+    ``env``, else this process's environment)."""
     assert port_free(port), f"port {port} ({config}) is taken; stop what uses it"
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    serve_cli = pathlib.Path(sys.executable).parent / "serve"
+    env = {k: v for k, v in (os.environ if env is None else env).items() if k != "RAY_ADDRESS"}
+    serve_cli = pathlib.Path(python or sys.executable).parent / "serve"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [str(serve_cli), "run", config], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -48,7 +51,7 @@ def serve_run(
         )
     try:
         try:
-            wait_until(lambda: proc.poll() is not None or healthy(health_urls), 180, interval_s=0.5,
+            wait_until(lambda: proc.poll() is not None or healthy(health_urls), timeout_s, interval_s=0.5,
                        what="a healthy service")
         except AssertionError:
             raise AssertionError("serve run did not become healthy; its log ends:\n" + log_path.read_text()[-4000:]) from None

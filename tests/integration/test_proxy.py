@@ -2,16 +2,14 @@
 content-derived ``uuid`` set on the forwarded parts, answers and streams pass through,
 errors keep the service's codes.
 
-The stand-in is a real HTTP server (a thread of this process) that records every
+The stand-in (``tests/standin_vllm.py``) is a real HTTP server that records every
 request and answers like vLLM's OpenAI server; the TP ranks that fetch the staged
 items are the session's ``RankActor``s, as vLLM's connector would.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import http.server
 import json
 import re
 import threading
@@ -24,96 +22,10 @@ from ray import serve
 
 from deployments import build_proxy_app
 from deployments.schemas import REQ_ID_PATTERN
+from standin_vllm import CHUNKS, COMPLETION, MODELS, SSE, UPSTREAM_ERROR, StandIn, stand_in_vllm
 from support import data_url, image_bytes, image_item, wait_until
 
 TP = 2
-MODELS = {"object": "list", "data": [{"id": "stand-in", "object": "model", "owned_by": "vllm"}]}
-COMPLETION = {
-    "id": "chatcmpl-standin",
-    "object": "chat.completion",
-    "model": "stand-in",
-    "choices": [{"index": 0, "message": {"role": "assistant", "content": "two images"}, "finish_reason": "stop"}],
-}
-CHUNKS = [
-    {"id": "chatcmpl-standin", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": word}}]}
-    for word in ("one ", "two ", "three")
-]
-SSE = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in CHUNKS) + "data: [DONE]\n\n"
-UPSTREAM_ERROR = {"error": {"message": "The model `missing` does not exist.", "type": "NotFoundError", "code": 404}}
-
-
-@dataclasses.dataclass
-class StandIn:
-    """What the stand-in vLLM server saw, and the switch that holds a stream after its first chunk."""
-
-    url: str
-    requests: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    gate: threading.Event | None = None  # set: a stream waits for it after its first chunk
-    gate_opened: list[bool] = dataclasses.field(default_factory=list)  # per held stream: opened in time
-
-    def chats(self) -> list[dict[str, Any]]:
-        return [r for r in self.requests if r["path"] == "/llm/v1/chat/completions"]
-
-
-@contextlib.contextmanager
-def stand_in_vllm():
-    """A vLLM-like OpenAI server on 127.0.0.1, under the path prefix ``/llm``."""
-    state = StandIn(url="")
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def _record(self, body: Any) -> None:
-            state.requests.append({"path": self.path, "headers": {k.lower(): v for k, v in self.headers.items()}, "json": body})
-
-        def _send(self, status: int, body: bytes, content_type: str) -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def do_GET(self):  # noqa: N802 - the stdlib's name
-            self._record(None)
-            if self.path == "/llm/v1/models":
-                self._send(200, json.dumps(MODELS).encode(), "application/json")
-            else:
-                self._send(404, b'{"detail": "Not Found"}', "application/json")
-
-        def do_POST(self):  # noqa: N802
-            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-            self._record(body)
-            if self.path != "/llm/v1/chat/completions":
-                return self._send(404, b'{"detail": "Not Found"}', "application/json")
-            if body.get("model") == "missing":
-                return self._send(404, json.dumps(UPSTREAM_ERROR).encode(), "application/json")
-            if body.get("model") == "hang-up":
-                self.close_connection = True  # no answer at all: the connection just closes
-                return None
-            if not body.get("stream"):
-                return self._send(200, json.dumps(COMPLETION).encode(), "application/json")
-            # HTTP/1.0 without Content-Length: the stream ends when the connection closes.
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.end_headers()
-            events = SSE.split("\n\n")[:-1]
-            for n, event in enumerate(events):
-                self.wfile.write(f"{event}\n\n".encode())
-                self.wfile.flush()
-                if n == 0 and state.gate is not None:
-                    state.gate_opened.append(state.gate.wait(10))
-            return None
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    state.url = f"http://127.0.0.1:{server.server_address[1]}"
-    try:
-        yield state
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 @dataclasses.dataclass
@@ -306,18 +218,27 @@ class BuggyEncoder:
         raise KeyError("a bug in the encoder app")
 
 
-def test_a_bug_calling_the_encoder_app_is_a_500_not_a_retryable_503(cluster):
+@pytest.mark.parametrize("local_fallback", [False, True], ids=["without local_fallback", "with local_fallback"])
+def test_a_bug_calling_the_encoder_app_is_a_500_not_a_retryable_503(cluster, local_fallback):
+    """Without local_fallback the chat fails with 500 (not 503: retrying will not help); with
+    it (the default) vLLM encodes the image itself and the chat gets its answer."""
     serve.run(BuggyEncoder.bind(), name="buggy-encoder", route_prefix=None)
     with stand_in_vllm() as upstream:
-        args = {"vllm_url": f"{upstream.url}/llm", "encoder_app": "buggy-encoder", "timeout_s": 30}
+        args = {"vllm_url": f"{upstream.url}/llm", "encoder_app": "buggy-encoder", "timeout_s": 30,
+                "local_fallback": local_fallback}
         serve.run(build_proxy_app(args), name="epd-proxy-wrong", route_prefix="/proxy-wrong")
         try:
             with httpx.Client(base_url=f"{cluster.url}/proxy-wrong", timeout=60) as client:
                 wait_until(lambda: client.get("/v1/models").status_code == 200, 60, what="the proxy to answer")
                 image = {"type": "image_url", "image_url": {"url": data_url(image_bytes(64, 64, seed=9901))}}
                 response = client.post("/v1/chat/completions", json=chat(image))
-            assert response.status_code == 500, response.text
-            assert response.json()["error"]["code"] == "internal" and "Retry-After" not in response.headers
+            if local_fallback:
+                assert (response.status_code, response.json()) == (200, COMPLETION), response.text
+                assert upstream.chats()[-1]["json"]["messages"][1]["content"][0]["uuid"]
+            else:
+                assert response.status_code == 500, response.text
+                assert response.json()["error"]["code"] == "internal" and "Retry-After" not in response.headers
+                assert not upstream.chats()
         finally:
             serve.delete("epd-proxy-wrong")
             serve.delete("buggy-encoder")
