@@ -25,7 +25,8 @@ engine's TP size.
 * ``fetch_timeout_s``: how long a worker waits for one item (default 30).
 * ``watch_timeout_s``: length of the scheduler's long poll (default 5).
 * ``ray_address``: where a process without Ray connects, the scheduler's and each
-  worker's (default ``"auto"``).
+  worker's (default ``"auto"``: under Ray Serve LLM, the cluster hosting the engine;
+  see ``registry.finder.cluster_address``).
 * ``local_fallback``: an item the service cannot deliver (its entry failed, expired,
   was cancelled or lost before the workers were told to load it, or there is no
   registry to ask) is encoded by the engine itself, with one log line naming it
@@ -57,6 +58,10 @@ Worker side (one per TP worker, ``registry.vllm_worker``)
     failed fetch never raises: the worker logs one line, leaves a zero
     placeholder so the step runs, and reports the identifier back, and the
     scheduler fails the request.
+
+Stats (``registry.vllm_metrics``): how long each item's request waited for it to be
+staged, and how long each step's loads took; vLLM logs them and exports them to
+Prometheus as ``vllm:ec_registry_wait_seconds`` and ``vllm:ec_registry_load_seconds``.
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -76,6 +82,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 
 from registry.engine_view import EngineView
 from registry.finder import RegistryFinder
+from registry.vllm_metrics import RegistryECPromMetrics, RegistryECStats
 from registry.vllm_worker import WorkerSide
 from registry.settings import MAX_WAIT_S, registry_address
 
@@ -146,11 +153,14 @@ class RayRegistryECWorkerMetadata(ECConnectorWorkerMetadata):
 
     loaded: frozenset[str] = frozenset()
     failed: dict[str, str] = dataclasses.field(default_factory=dict)
+    load_s: float = 0.0  # this step's fetch and placement; 0 if it fetched nothing
 
     def aggregate(self, other: ECConnectorWorkerMetadata) -> ECConnectorWorkerMetadata:
         if not isinstance(other, RayRegistryECWorkerMetadata):
             return self
-        return RayRegistryECWorkerMetadata(self.loaded | other.loaded, {**self.failed, **other.failed})
+        # The ranks load side by side and the step waits for the slowest.
+        return RayRegistryECWorkerMetadata(self.loaded | other.loaded, {**self.failed, **other.failed},
+                                           max(self.load_s, other.load_s))
 
 
 class RayRegistryECConnector(ECConnectorBase):
@@ -203,6 +213,19 @@ class RayRegistryECConnector(ECConnectorBase):
         if self._scheduler is not None and isinstance(meta, RayRegistryECWorkerMetadata):
             self._scheduler.view.loaded(meta.loaded)
             self._scheduler.view.load_failed(meta.failed)
+            if meta.load_s:
+                self._scheduler.stats.loaded(meta.load_s)
+
+    def get_ec_connector_stats(self) -> RegistryECStats | None:
+        return self._scheduler.stats.take() if self._scheduler is not None else None
+
+    @classmethod
+    def build_ec_connector_stats(cls, data: dict[str, Any] | None = None) -> RegistryECStats:
+        return RegistryECStats(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> RegistryECPromMetrics:
+        return RegistryECPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
         if self._scheduler is not None:
@@ -222,9 +245,12 @@ class _SchedulerSide:
         self._num_tokens: dict[str, int] = {}  # identifier -> its tokens, while a request names it
         self._loads: dict[str, int] = {}
         self._synced_this_step = False
+        self.stats = RegistryECStats()
+        self._first_seen: dict[str, float] = {}  # request_id -> when a step first considered it
 
     def ensure(self, request: "Request", num_computed_tokens: int) -> bool:
         features = request.mm_features
+        self._first_seen.setdefault(request.request_id, time.monotonic())
         new = self.view.track(request.request_id, (f.identifier for f in features))
         if new or not self._synced_this_step:
             self.sync()
@@ -236,6 +262,7 @@ class _SchedulerSide:
         return self.view.ready(request.request_id, needed)
 
     def finish(self, request_id: str) -> None:
+        self._first_seen.pop(request_id, None)
         for identifier in self.view.finish(request_id):
             self._num_tokens.pop(identifier, None)
 
@@ -244,6 +271,7 @@ class _SchedulerSide:
         if self.view.has(identifier):
             self._loads[identifier] = request.get_num_encoder_embeds(index)
             self.view.hand_over(identifier)
+            self.stats.waited(time.monotonic() - self._first_seen.get(request.request_id, time.monotonic()))
 
     def build_meta(self, scheduler_output: "SchedulerOutput") -> RayRegistryECMetadata:
         loads = [ItemLoad(identifier, count) for identifier, count in self._loads.items()]

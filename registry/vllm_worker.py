@@ -11,6 +11,7 @@ docstring.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,10 +31,11 @@ class WorkerSide:
         model = vllm_config.model_config
         self._dtype = model.dtype if model is not None else None
         widths = vllm_config.ec_transfer_config.mm_encoder_output_widths
-        self._width = widths.get("image") or (model.get_inputs_embeds_size() if model is not None else 0)
+        self._width = widths.get("image") or _image_width(model)
         self._receivers: dict[int, Any] = {}
         self._loaded: set[str] = set()
         self._failed: dict[str, str] = {}
+        self._load_s = 0.0  # since the last report: the fetches' and placements' time
 
     def load(self, loads: tuple[ItemLoad, ...], encoder_cache: dict[str, torch.Tensor]) -> None:
         rank = _tp_rank(self.settings.tp_rank)
@@ -51,6 +53,7 @@ class WorkerSide:
             self._acknowledge(receiver, to_acknowledge)
         if not to_fetch:
             return
+        started = time.monotonic()
         # One registry call per shard for the whole step, not one per item.
         try:
             fetched: dict[str, Any] = receiver.fetch_many(
@@ -68,14 +71,17 @@ class WorkerSide:
                 self._failed[load.identifier] = why
                 dtype = self._dtype or torch.float32
                 encoder_cache[load.identifier] = torch.zeros(load.num_tokens, self._width, dtype=dtype, device=device)
+        self._load_s += time.monotonic() - started
 
-    def take_report(self) -> tuple[frozenset[str], dict[str, str]] | None:
-        """What this step loaded, and what failed (-> why), since the last report."""
+    def take_report(self) -> tuple[frozenset[str], dict[str, str], float] | None:
+        """What this step loaded, what failed (-> why), and the seconds the fetches took,
+        since the last report."""
         if not self._loaded and not self._failed:
             return None
-        report = frozenset(self._loaded), dict(self._failed)
+        report = frozenset(self._loaded), dict(self._failed), self._load_s
         self._loaded.clear()
         self._failed.clear()
+        self._load_s = 0.0
         return report
 
     def _checked(self, load: ItemLoad, items: Any) -> torch.Tensor:
@@ -113,16 +119,29 @@ class WorkerSide:
         if rank not in self._receivers:
             import ray
 
+            from registry.finder import cluster_address
             from registry.receiver import EmbeddingReceiver
 
             if not ray.is_initialized():
                 # As the scheduler side does: a worker process of vLLM's ``mp`` backend has no Ray
                 # of its own, and Ray's automatic init would start a new local cluster (no registry).
-                ray.init(address=self.settings.ray_address)
+                ray.init(address=cluster_address(self.settings.ray_address))
             self._receivers[rank] = EmbeddingReceiver(
                 rank, registry_name=self.settings.registry_name, registry_namespace=self.settings.registry_namespace
             )
         return self._receivers[rank]
+
+
+def _image_width(model: Any) -> int:
+    """An image's width in the encoder cache (a consumer measures none): the language model's
+    input width, and for a DeepStack model (Qwen3-VL) ``out_hidden_size`` per level more. The
+    zero placeholder of a failed load needs it: that model splits the entry on the last axis,
+    and a narrower one fails the whole step, every request in it."""
+    if model is None:
+        return 0
+    vision = getattr(model.hf_config, "vision_config", None)
+    levels = len(getattr(vision, "deepstack_visual_indexes", None) or ())
+    return vision.out_hidden_size * (1 + levels) if levels else model.get_inputs_embeds_size()
 
 
 def _tp_rank(default: int) -> int | None:
