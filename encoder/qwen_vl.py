@@ -37,17 +37,29 @@ from encoder.types import PreparedItem, Video
 # Where each family keeps its vision weights, in the checkpoint spellings seen in the wild.
 _PREFIXES = ("visual.", "model.visual.", "")
 
+
+@dataclasses.dataclass(frozen=True)
+class Tower:
+    """One checkpoint kind a family loads: how its config.json names it and what builds it."""
+
+    full_type: str  # model_type of the full multimodal model
+    vision_type: str  # model_type of a vision-only directory
+    config_cls: type
+    tower_cls: type
+    tiny: dict  # the tiny seeded tower's config, when there is no path
+
+
+# family -> the checkpoint kinds it loads; the first is the tiny default's.
 _FAMILIES = {
-    # family: (full model_type, vision-only model_type, vision config class, tower class, tiny config)
-    "qwen2_5_vl": (
+    "qwen2_5_vl": (Tower(
         "qwen2_5_vl", "qwen2_5_vl_vision", Qwen2_5_VLVisionConfig, Qwen2_5_VisionTransformerPretrainedModel,
         dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=256,
              window_size=112, fullatt_block_indexes=[1]),
-    ),
-    "qwen2_vl": (
+    ),),
+    "qwen2_vl": (Tower(
         "qwen2_vl", "qwen2_vl", Qwen2VLVisionConfig, Qwen2VisionTransformerPretrainedModel,
         dict(depth=2, embed_dim=64, num_heads=2, mlp_ratio=2, hidden_size=256),
-    ),
+    ),),
 }
 
 
@@ -59,26 +71,30 @@ class QwenVLOptions:
     max_decode_pixels: int = 64 * 1024 * 1024
 
 
-def _vision_config(family: str, path: str | None) -> Any:
-    full_type, vision_type, config_cls, _, tiny = _FAMILIES[family]
+def vision_config(family: str, path: str | None, towers: Sequence[Tower]) -> tuple[Any, type]:
+    """The vision config in ``path`` (or the tiny one) and the tower class that takes it."""
     if path is None:
-        return config_cls(**tiny)
+        return towers[0].config_cls(**towers[0].tiny), towers[0].tower_cls
     config = AutoConfig.from_pretrained(path, local_files_only=True)
-    if config.model_type == full_type and hasattr(config, "vision_config"):
-        return config.vision_config
-    if config.model_type == vision_type or isinstance(config, config_cls):
-        return config
+    for tower in towers:
+        if config.model_type == tower.full_type and hasattr(config, "vision_config"):
+            return config.vision_config, tower.tower_cls
+        if config.model_type == tower.vision_type or isinstance(config, tower.config_cls):
+            return config, tower.tower_cls
     raise CheckpointError(f"{path} holds a {config.model_type!r} model, not {family}; set model.family to match it")
 
 
 class QwenVLEncoder(VisionEncoder):
     """``meta["grid_thw"]``: [t, h, w] patches before merging (t = 1 for images)."""
 
+    TOWERS = _FAMILIES
+    # The image processor's settings when the checkpoint has no preprocessor_config.json.
+    PROCESSOR_DEFAULTS: dict[str, Any] = dict(min_pixels=56 * 56, max_pixels=448 * 448)
+
     def __init__(self, family: str, path: str | None, options: QwenVLOptions, device: torch.device, dtype: torch.dtype):
         self.family, self.device, self.dtype = family, device, dtype
-        config = _vision_config(family, path)
+        config, tower_cls = vision_config(family, path, self.TOWERS[family])
         files = None if path is None else tensor_files(path)  # fails fast when there are no weights
-        tower_cls = _FAMILIES[family][3]
         tower = construct(lambda: tower_cls._from_config(config), seed=options.seed, from_checkpoint=files is not None)
         self.loaded_keys: list[str] = [] if files is None else load_submodule(tower, path, _PREFIXES, files)
         self.tower = tower.to(device=device, dtype=dtype).eval()
@@ -90,16 +106,15 @@ class QwenVLEncoder(VisionEncoder):
         weights = checkpoint_identity(path) if path else f"seed={options.seed}"
         self.identity = f"{family}:{weights}:{self.processor.to_json_string()}:{dtype}"
 
-    @staticmethod
-    def _processor(config: Any, path: str | None, options: QwenVLOptions) -> Qwen2VLImageProcessorPil:
+    @classmethod
+    def _processor(cls, config: Any, path: str | None, options: QwenVLOptions) -> Qwen2VLImageProcessorPil:
         settings: dict[str, Any] = {}
         if path is None or not os.path.isfile(os.path.join(path, "preprocessor_config.json")):
             settings = dict(
                 patch_size=config.patch_size,
                 merge_size=config.spatial_merge_size,
                 temporal_patch_size=config.temporal_patch_size,
-                min_pixels=56 * 56,
-                max_pixels=448 * 448,
+                **cls.PROCESSOR_DEFAULTS,
             )
         for key in ("min_pixels", "max_pixels"):
             if getattr(options, key) is not None:
@@ -150,8 +165,12 @@ class QwenVLEncoder(VisionEncoder):
     def embed(self, items: Sequence[PreparedItem]) -> list[torch.Tensor]:
         pixels = torch.cat([item.pixels for item in items]).to(self.device, self.dtype)
         grid = torch.tensor([item.meta["grid_thw"] for item in items], device=self.device)
-        merged = self.tower(pixels, grid_thw=grid).pooler_output
+        merged = self.merged(self.tower(pixels, grid_thw=grid))
         return list(torch.split(merged, (grid.prod(-1) // self.merge**2).tolist()))
+
+    def merged(self, output: Any) -> torch.Tensor:
+        """The tower's output as the language model consumes it, all items packed."""
+        return output.pooler_output
 
 
 OPTIONS = QwenVLOptions

@@ -40,11 +40,22 @@ FAMILY_TABLE: tuple[Family, ...] = (
            "`grid_thw`: [t, h, w] patches before merging, per image or video; tokens = t·h·w/4; `frames` for videos"),
     Family("qwen2_vl", "encoder.qwen_vl", "Qwen2-VL vision tower and patch merger; images and videos",
            "as `qwen2_5_vl`"),
+    Family("qwen3_vl", "encoder.qwen3_vl",
+           "Qwen3-VL or Qwen3.5 vision tower and patch merger, with Qwen3-VL's DeepStack levels concatenated "
+           "on the hidden axis (width `out_hidden_size` × (1 + levels), as vLLM caches it); images",
+           "`grid_thw`: [1, h, w] patches before merging; tokens = h·w/4"),
     Family("llava", "encoder.llava",
            "a LLaVA checkpoint's CLIP or SigLIP tower, `vision_feature_layer` / `vision_feature_select_strategy` "
            "as configured, then its projector"),
     Family("clip", "encoder.llava", "a bare CLIP vision tower directory (no projector): the chosen layer's hidden states"),
     Family("siglip", "encoder.llava", "a bare SigLIP vision tower directory (no projector): the chosen layer's hidden states"),
+    Family("gemma3", "encoder.gemma3",
+           "Gemma 3's SigLIP tower, then its projector (average pooling to `mm_tokens_per_image`, norm, projection)",
+           "`tiles`: 1, or 1 + crops with `pan_and_scan`; tokens = tiles · `mm_tokens_per_image`"),
+    Family("internvl", "encoder.internvl",
+           "InternVL in transformers' format (`model_type` `internvl`): InternViT tower, pixel shuffle, projector; "
+           "dynamic tiling as vLLM does it (on, `max_patches` from the checkpoint)",
+           "`tiles`: tiles plus thumbnail; tokens = tiles · `image_seq_length`"),
     Family("tiny-vit", "encoder.tiny_vit", "a 2-layer seeded ViT of this project (tests and benchmarks)",
            "`grid`: [rows, cols]"),
 )

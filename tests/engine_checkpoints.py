@@ -21,6 +21,9 @@ import pathlib
 from typing import Any, Callable
 
 from models import LLAVA_IMAGE_TOKEN, QWEN_IMAGE_TOKEN, QWEN_VIDEO_TOKEN, QWEN_VISION_END, QWEN_VISION_START, save_llava, save_qwen2_5_vl
+from checkpoints_qwen3_vl import save_qwen3_5_for_engines, save_qwen3_vl_for_engines
+from checkpoints_gemma3 import GEMMA3_IMAGE, save_gemma3_for_engines
+from checkpoints_internvl import INTERNVL_IMAGE, save_internvl_for_engines
 
 MAX_MODEL_LEN = 4096
 UNK = 3
@@ -83,6 +86,10 @@ class EngineCheckpoint:
 ENGINE_CHECKPOINTS = {
     "qwen2_5_vl": EngineCheckpoint(save_qwen_for_engines, QWEN_IMAGE),
     "llava": EngineCheckpoint(save_llava_for_engines, LLAVA_IMAGE),
+    "qwen3_vl": EngineCheckpoint(save_qwen3_vl_for_engines, QWEN_IMAGE),
+    "qwen3_5": EngineCheckpoint(save_qwen3_5_for_engines, QWEN_IMAGE, family="qwen3_vl"),
+    "gemma3": EngineCheckpoint(save_gemma3_for_engines, GEMMA3_IMAGE),
+    "internvl": EngineCheckpoint(save_internvl_for_engines, INTERNVL_IMAGE),
 }
 
 
@@ -99,7 +106,8 @@ def prompt(images: int, image: str, text_ids: tuple[int, ...] = (5, 6, 7)) -> st
     return " ".join(words)
 
 
-def _save_tokenizer(path: str, vocab_size: int, special: dict[str, int], image: str):
+def _save_tokenizer(path: str, vocab_size: int, special: dict[str, int], image: str, roles: dict[str, str] | None = None):
+    """``roles``: named special tokens a processor reads as tokenizer attributes (``boi_token=...``)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -110,7 +118,7 @@ def _save_tokenizer(path: str, vocab_size: int, special: dict[str, int], image: 
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token=by_id[UNK],
         additional_special_tokens=[t for t in special if t not in _BASE],
-        chat_template=_CHAT_TEMPLATE.replace("IMAGE", image), model_max_length=MAX_MODEL_LEN,
+        chat_template=_CHAT_TEMPLATE.replace("IMAGE", image), model_max_length=MAX_MODEL_LEN, **(roles or {}),
     )
     tokenizer.save_pretrained(path)
     added = json.loads(pathlib.Path(path, "tokenizer.json").read_text())["added_tokens"]

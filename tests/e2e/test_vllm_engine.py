@@ -28,7 +28,9 @@ from support import image_bytes, image_item
 
 # (engine checkpoint, dtype of the model and of what is staged, TP of the E+PD engine): each
 # dtype and each TP size once for the first two; each further family once.
-CASES = [("qwen2_5_vl", "float32", 1), ("qwen2_5_vl", "bfloat16", 2), ("llava", "bfloat16", 1), ("llava", "float32", 2)]
+CASES = [("qwen2_5_vl", "float32", 1), ("qwen2_5_vl", "bfloat16", 2), ("llava", "bfloat16", 1), ("llava", "float32", 2),
+         ("qwen3_vl", "float32", 1), ("qwen3_5", "bfloat16", 1),  # vLLM CPU runs Qwen3.5's GDN in bfloat16 only
+         ("gemma3", "float32", 1), ("internvl", "float32", 1)]
 ENGINE_TIMEOUT_S = 420
 
 
