@@ -1,8 +1,41 @@
-"""One ``serve run serve_config.yaml`` for the e2e tests that use the default config."""
+"""One ``serve run serve_config.yaml`` for the e2e tests that use the default config, and the
+engines' own venvs built in the background from the start of the session.
+
+Building a side venv (``tests/side_venvs.py``) takes minutes, mostly pip waiting on
+downloads and disk; built inside the first test that needs it, that time would count
+against the test's timeout and hold up everything after it. So when the session has
+selected a test that needs one, a thread starts building it at once; the test's fixture
+then finds it built, or waits on the build's file lock. A failed build is remembered
+(``side_venvs``), and the fixture skips with its message as before.
+"""
+
+import threading
 
 import pytest
 
+import sglang_env
+import vllm_cpu_env
 from serve_run import serve_run
+
+# Test modules by the venv they need, and how to build it.
+_VENVS = {
+    ("test_vllm_engine", "test_vllm_fidelity", "test_vllm_stack", "test_vllm_ttft_benchmark"): vllm_cpu_env.ensure_vllm_cpu_python,
+    ("test_sglang",): sglang_env.ensure_sglang_python,
+}
+
+
+def pytest_collection_finish(session):
+    modules = {item.module.__name__.rsplit(".", 1)[-1] for item in session.items if item.module is not None}
+    for users, ensure in _VENVS.items():
+        if modules & set(users):
+            threading.Thread(target=_build, args=(ensure,), name=f"build-{ensure.__name__}", daemon=True).start()
+
+
+def _build(ensure) -> None:
+    try:
+        ensure()
+    except Exception:  # noqa: BLE001 - remembered by side_venvs; the fixture reports it
+        pass
 
 
 @pytest.fixture(scope="session")

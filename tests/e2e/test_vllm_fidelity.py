@@ -41,6 +41,8 @@ CASES = [(family, DTYPES.get(family, "float32")) for family in ENGINE_CHECKPOINT
 # and the two towers round at different places.
 MAX_REL = {"float32": 1e-5, "bfloat16": 0.02}
 TOWER_TIMEOUT_S = 420
+# Per test: the first one also waits for serve run's start; each engine is bounded by TOWER_TIMEOUT_S.
+pytestmark = pytest.mark.timeout(1200)
 # Two sizes, a photo and a translucent PNG (composited onto white on both sides).
 SHOWN = ("photo", "translucent", "small", "large")
 
