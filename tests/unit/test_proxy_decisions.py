@@ -5,6 +5,7 @@ which cluster an engine process started by a Ray worker joins."""
 from __future__ import annotations
 
 import json
+import pathlib
 import re
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from deployments.schemas import REQ_ID_PATTERN
 from deployments.upstream import _event_verdict
 from registry.errors import HTTP_STATUS, RegistryError
 from registry.finder import cluster_address
+from support import wait_until
 
 
 def test_every_error_code_has_an_action_and_only_client_mistakes_fail_the_chat():
@@ -74,6 +76,9 @@ def test_a_retry_names_each_image_afresh_everywhere_it_appears():
 def raylet():
     """A process whose command line names a GCS address, as a raylet's does."""
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--gcs-address=10.1.2.3:6379"])
+    # Until the child has exec'd, /proc shows the parent's command line: wait for its own.
+    cmdline = pathlib.Path(f"/proc/{proc.pid}/cmdline")
+    wait_until(lambda: b"--gcs-address=10.1.2.3:6379" in cmdline.read_bytes(), 30, what="the child's command line")
     yield proc
     proc.kill()
     proc.wait()
