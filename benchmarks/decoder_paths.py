@@ -36,7 +36,7 @@ from benchmarks import standin
 from benchmarks.cpu import CpuMeter, by_title
 from benchmarks.scale_out import QUIET_SIZES, BatchRank, Noop, submit_all, wait_staged
 from registry import lookup_shards
-from registry.zmq_receiver import ZmqEmbeddingReceiver
+from registry.client.zmq_receiver import ZmqEmbeddingReceiver
 
 PATHS = ("ray", "zmq", "http")
 # The floors: one no-op actor call (what the Ray path's registry call costs at least) and

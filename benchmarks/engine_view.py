@@ -25,8 +25,8 @@ import time
 import ray
 
 from deployments.config import AppConfig
-from registry.engine_view import EngineView
-from registry.lookup import get_or_create_registry
+from registry.engines.vllm.scheduler_view import EngineView
+from registry.server.create import get_or_create_registry
 
 
 def _view(items: int) -> tuple[EngineView, list[str]]:

@@ -4,7 +4,7 @@ The burst goes through the whole app as a client sends it, once through the
 Python handle of the real ``Ingress`` (each image stored by the caller and sent
 as an ``image_ref`` item, which the Ingress passes on unread) and once over HTTP
 (base64 in the body; the Ingress stores each item's bytes once,
-``registry.inputs``). The registry passes the ref to the ``Encoder`` and keeps
+``registry.server.inputs``). The registry passes the ref to the ``Encoder`` and keeps
 the result. The encoder is the
 stand-in (``benchmarks.standin``: the real ``Encoder`` code with a free model),
 so every embedding is exactly 4.72 MB (576 tokens x 4096, bfloat16: what a

@@ -212,7 +212,7 @@ def deploy_on(resource: str, sizes: list[int], registry_name: str, namespace: st
     it to the head node: on another node than its encoder, every result would also cross
     to the head (Serve's router reads it), which is not the hand-off being measured.
     """
-    from registry.actor import EmbeddingRegistry
+    from registry.server.actor import EmbeddingRegistry
 
     there = {"num_cpus": 0, "resources": {resource: 0.01}}
     settings = _config(registry_name, namespace).registry_settings(encoder_app=app)

@@ -29,7 +29,7 @@ HISTOGRAMS = {
     "vllm_ttft": "vllm:time_to_first_token_seconds",  # its front end got the request -> first token
     "queue": "vllm:request_queue_time_seconds",  # engine core queued it -> first scheduled
     "prefill": "vllm:request_prefill_time_seconds",  # first scheduled -> first token
-    "connector_wait": "vllm:ec_registry_wait_seconds",  # per item (registry.vllm_metrics)
+    "connector_wait": "vllm:ec_registry_wait_seconds",  # per item (registry.engines.vllm.metrics)
     "connector_load": "vllm:ec_registry_load_seconds",  # per loading step
 }
 

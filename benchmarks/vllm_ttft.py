@@ -26,7 +26,7 @@ first scheduled), ``prefill`` (first scheduled -> first token), ``render`` (``vl
 ``queue`` - ``prefill``: chat template, image decoding and processing, the hand-off to the
 engine core), ``outside_vllm`` (the client's mean - ``vllm_ttft``: HTTP, and for ``epd``
 Serve's proxy, ``EPDProxy`` and its submit). For ``epd``, the connector's share
-(``registry.vllm_metrics``): ``connector_wait`` (per item: the scheduler first seeing the
+(``registry.engines.vllm.metrics``): ``connector_wait`` (per item: the scheduler first seeing the
 request -> the staged item handed to the workers; the encode happens in here) plus
 ``connector_load`` (per loading step: the workers' fetch and placement in
 ``encoder_cache``). And per ``epd`` request, its registry entry's timeline (the registry

@@ -59,7 +59,7 @@ def compose_app(
     The call path is Ingress -> registry (a detached actor) -> Encoder: the Ingress gives
     the registry the Encoder deployment it was bound to, and the registry makes every
     encode call itself, because the caller of a handle owns the result's object and the
-    staged embeddings must outlive the replica that computed them (``registry.encoding``).
+    staged embeddings must outlive the replica that computed them (``registry.server.encodes``).
     The Ingress calls the Encoder directly only for ``/health``.
 
     ``deployment_options`` is the Python form of the config file's ``deployments:``

@@ -1,7 +1,7 @@
 """Autoscaling the ``Encoder`` on the items it holds, not on the calls that brought them.
 
 Serve's default policy scales on ongoing requests, and one Encoder call carries up
-to ``encoder_call_max_items`` items (``registry.encoder_calls``), so under load its
+to ``encoder_call_max_items`` items (``registry.server.batched_calls``), so under load its
 count understates the work. Each replica reports its items in progress
 (``Encoder.record_autoscaling_stats``); this policy asks for
 ``items / target_ongoing_requests`` replicas, so ``target_ongoing_requests`` reads as

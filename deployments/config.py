@@ -189,7 +189,7 @@ class AppConfig(BaseModel):
             raise ValueError(f"push_allowed_networks: {exc}") from None
 
     def limits(self) -> Limits:
-        """The registry's lifecycle limits (``registry.state.Limits``), from these keys."""
+        """The registry's lifecycle limits (``registry.server.state.Limits``), from these keys."""
         return Limits(
             ttl_s=self.ttl_s,
             encode_timeout_s=self.encode_timeout_s,

@@ -33,7 +33,7 @@ from deployments.tensor_file import safetensors_bytes
 from deployments.zmq_push import check_endpoint, frames
 from registry.errors import InvalidRequest, Unavailable, staged_lost
 from registry.settings import MAX_WAIT_S
-from registry.state import LIVE_STATES, MAX_LIST_LIMIT, TERMINAL_STATES
+from registry.server.state import LIVE_STATES, MAX_LIST_LIMIT, TERMINAL_STATES
 from registry.supervision import gather_within
 
 # Push and acknowledge bodies are a few fields.

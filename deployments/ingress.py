@@ -2,7 +2,7 @@
 
 ``serve.get_app_handle("epd").encode.remote(body)`` and ``POST /v1/encode`` run
 the same code: validate, unwrap the media bytes, hash them and store each large
-item once in the object store (``registry.inputs``), hand the refs to the
+item once in the object store (``registry.server.inputs``), hand the refs to the
 registry actor (which calls the encoder and owns the results), answer with the
 entry. Requests that need not wait for staging share registry calls
 (``deployments.submits``).
@@ -38,11 +38,11 @@ from deployments.zmq_push import ZmqPusher
 from encoder import MediaError, item_media
 from registry import MediaInput, media_input
 from registry.errors import InvalidRequest, RegistryError, Unauthorized, Unavailable
-from registry.inputs import ref_input
+from registry.server.inputs import ref_input
 from registry.logs import quiet_client_errors, replica_log_format
-from registry.lookup import get_or_create_registry, get_or_create_shards
+from registry.server.create import get_or_create_registry, get_or_create_shards
 from registry.settings import MAX_WAIT_S, api_token_from_env
-from registry.shards import sum_stats
+from registry.routing import sum_stats
 from registry.supervision import gather_within
 
 _HEALTH_TIMEOUT_S = 5.0

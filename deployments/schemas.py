@@ -47,7 +47,7 @@ class VideoItem(_Strict):
 
 class ImageRefItem(_Strict):
     """Python handle only: the image file's bytes already in the object store, passed on unread
-    (``registry.inputs.ref_input``), so a caller's ``ray.put`` is the only copy there."""
+    (``registry.server.inputs.ref_input``), so a caller's ``ray.put`` is the only copy there."""
 
     type: Literal["image_ref"]
     image_ref: Any = Field(description="A ray.ObjectRef of the image file's bytes (ray.put(data)).")
@@ -113,7 +113,7 @@ class RequestPage(BaseModel):
 
 
 class PushRequest(_Strict):
-    """``POST /v1/requests/{req_id}/push``: push the items to a ZMQ receiver (``registry.zmq_receiver``)."""
+    """``POST /v1/requests/{req_id}/push``: push the items to a ZMQ receiver (``registry.client.zmq_receiver``)."""
 
     rank: int = Field(description="The receiving TP rank, below the request's receive_count.")
     endpoint: str = Field(description="tcp://<IP>:<port> of the rank's bound PULL socket, inside push_allowed_networks.")

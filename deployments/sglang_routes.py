@@ -36,7 +36,7 @@ from deployments.http_api import api, log_once, logger, read_json
 from deployments.zmq_push import check_endpoint
 from registry.errors import EncodeFailed, RegistryError, Unavailable
 from registry.settings import MAX_WAIT_S
-from registry.state import OPEN
+from registry.server.state import OPEN
 
 # Registration bodies are a few fields.
 _SMALL_BODY_BYTES = 64 * 1024

@@ -1,6 +1,6 @@
 """Pushing a request's items to a decoder rank outside Ray over ZMQ.
 
-A rank's ``registry.zmq_receiver.ZmqEmbeddingReceiver`` binds a PULL socket and
+A rank's ``registry.client.zmq_receiver.ZmqEmbeddingReceiver`` binds a PULL socket and
 registers its endpoint with ``POST /v1/requests/{req_id}/push``; the Ingress
 replica that takes the call connects a PUSH socket to it (one per endpoint,
 kept) and sends each item as a two-frame message:

@@ -9,7 +9,7 @@ seconds to start and hundreds of MB. The model parts load on first use.
 import importlib
 from typing import Any
 
-from encoder.fetch import MediaPolicy
+from encoder.media_fetch import MediaPolicy
 from encoder.hashing import content_hash, media_digest, mm_hash
 from encoder.items import item_media
 from encoder.media import MediaError

@@ -9,7 +9,7 @@ Accepted items::
     {"type": "video", "video": ["data:image/jpeg;base64,...", ...]}   # frames, each like an image_url's url
 
 ``data:`` URIs and bare base64 are decoded here; URLs and paths go through
-``encoder.fetch.load_url``, which refuses anything the policy does not allow
+``encoder.media_fetch.load_url``, which refuses anything the policy does not allow
 (everything, by default). Every refusal is a ``MediaError`` saying what to fix.
 This runs before anything is created, so a bad item stages nothing.
 """
@@ -21,7 +21,7 @@ import binascii
 import re
 from typing import Any, Mapping
 
-from encoder.fetch import MediaPolicy, load_url
+from encoder.media_fetch import MediaPolicy, load_url
 from encoder.media import MediaError
 from encoder.types import Media, Video
 

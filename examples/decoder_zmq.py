@@ -20,7 +20,7 @@ import json
 
 from demo_request import demo_image, post_encode, summary  # next to this file
 
-from registry.zmq_receiver import ZmqEmbeddingReceiver
+from registry.client.zmq_receiver import ZmqEmbeddingReceiver
 
 
 def prefill(rx: ZmqEmbeddingReceiver, req_id: str) -> dict:

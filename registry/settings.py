@@ -12,7 +12,21 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from registry.state import Limits
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """The lifecycle's limits, named as ``deployments.AppConfig``'s keys, which hold every
+    default and description (``AppConfig.limits()`` builds this)."""
+
+    ttl_s: float
+    encode_timeout_s: float
+    max_receive_count: int
+    tombstone_ttl_s: float
+    max_tombstones: int
+    # Admission: past either, a new request is refused with ``overloaded``.
+    max_pending_requests: int
+    max_staged_bytes: int
+
 
 DEFAULT_REGISTRY_NAME = "epd_registry"
 DEFAULT_REGISTRY_NAMESPACE = "epd"
@@ -53,9 +67,9 @@ class RegistrySettings:
     # Where the registry sends encode work: a Serve deployment, by app and name.
     encoder_app: str
     encoder_deployment: str = "Encoder"
-    # Most items in one Encoder call (``registry.encoder_calls``).
+    # Most items in one Encoder call (``registry.server.batched_calls``).
     encoder_call_max_items: int = 8
-    # How many registry actors share the req_ids (``registry.shards``), and which one this
+    # How many registry actors share the req_ids (``registry.client.shards``), and which one this
     # is; fixed when the actors are created.
     registry_shards: int = 1
     shard: int = 0

@@ -21,7 +21,7 @@ from PIL import Image
 # Object-store accounting and log locations reach into Ray's private modules: one home for that.
 from benchmarks.ray_internals import global_gc, logs_dir, object_refs_in_use, object_store_usage  # noqa: F401
 from encoder import EncoderSpec, build_encoder
-from registry.inputs import INLINE_MAX_BYTES
+from registry.server.inputs import INLINE_MAX_BYTES
 
 # The app the integration tests deploy: tiny-vit, whose token count is simply
 # (height/16) x (width/16), in bfloat16, the harder transport path (its bits travel
@@ -162,7 +162,7 @@ def object_store_bytes_in_use() -> int:
 def registry_stats(name: str | None = None, namespace: str | None = None) -> dict[str, int]:
     """The registry's stats, summed over its shards (what ``GET /v1/stats`` answers)."""
     from registry import lookup_shards
-    from registry.shards import sum_stats
+    from registry.routing import sum_stats
 
     return sum_stats(ray.get([shard.stats.remote() for shard in lookup_shards(name, namespace).handles]))
 

@@ -19,7 +19,7 @@ import sys
 import torch
 
 from registry.errors import RegistryError
-from registry.zmq_receiver import ZmqEmbeddingReceiver
+from registry.client.zmq_receiver import ZmqEmbeddingReceiver
 
 
 def _raw(tensor: torch.Tensor) -> bytes:

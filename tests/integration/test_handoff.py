@@ -211,7 +211,7 @@ def test_receiver_for_a_registry_that_does_not_exist_is_unavailable(cluster):
 def test_a_rank_s_first_fetch_loads_no_serve(cluster):
     """Ray loads the registry's actor class, for its methods' signatures, in every process
     that calls it: a decoder rank must not pay for Serve and FastAPI on its first fetch."""
-    heavy = ["ray.serve", "fastapi", "registry.encoding"]
+    heavy = ["ray.serve", "fastapi", "registry.server.encodes"]
     # A runtime_env of its own: a new worker process, not one that ran other code before.
     fresh = {"env_vars": {"EPD_TEST_FRESH_WORKER": new_id()}}
     rank = RankActor.options(runtime_env=fresh).remote(0)
@@ -220,7 +220,7 @@ def test_a_rank_s_first_fetch_loads_no_serve(cluster):
         out = encode(cluster, [image_bytes(64, 64, seed=12)], receive_count=1)
         got = ray.get(rank.fetch.remote(out["req_id"]))
         assert "error" not in got and got["dtypes"] == ["bfloat16"], got
-        assert ray.get(rank.loaded.remote(["registry.actor"])) == ["registry.actor"]  # Ray did load the class
+        assert ray.get(rank.loaded.remote(["registry.server.actor"])) == ["registry.server.actor"]  # Ray did load the class
         assert ray.get(rank.loaded.remote(heavy)) == []
     finally:
         ray.kill(rank)

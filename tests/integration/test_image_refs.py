@@ -12,7 +12,7 @@ from ray import serve
 
 from encoder import MediaError, media_digest
 from registry.errors import InvalidRequest
-from registry.inputs import INLINE_MAX_BYTES, ref_input
+from registry.server.inputs import INLINE_MAX_BYTES, ref_input
 from support import MODEL_SPEC, image_bytes, image_item, reference_embedding, registry_stats
 
 

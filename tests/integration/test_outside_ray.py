@@ -18,7 +18,7 @@ from ray import serve
 
 from deployments import compose_app
 from registry.errors import Unauthorized
-from registry.zmq_receiver import ZmqEmbeddingReceiver
+from registry.client.zmq_receiver import ZmqEmbeddingReceiver
 from support import MODEL_SPEC, deployment_options, image_bytes, image_item, reference_embedding, wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

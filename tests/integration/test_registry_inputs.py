@@ -6,7 +6,7 @@ import ray
 from encoder import media_digest
 from registry import MediaInput, lookup_registry, media_input
 from registry.errors import InvalidRequest, Unavailable, UnknownRequest
-from registry.inputs import INLINE_MAX_BYTES
+from registry.server.inputs import INLINE_MAX_BYTES
 from support import MODEL_SPEC, image_bytes, reference_embedding, registry_stats, wait_until
 
 

@@ -1,7 +1,7 @@
 """The content-hash cache's LRU budget (no Ray)."""
 
-from registry.cache import EncoderCache
-from registry.state import StagedItem
+from registry.server.cache import EncoderCache
+from registry.server.state import StagedItem
 
 
 def item(nbytes, name="x"):

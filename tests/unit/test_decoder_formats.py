@@ -15,8 +15,8 @@ from deployments.tensor_file import safetensors_bytes
 from deployments.zmq_push import check_endpoint
 from encoder.types import tensor_to_payload
 from registry.errors import InvalidRequest, Unavailable
-from registry.received import item_from_buffer
-from registry.zmq_receiver import ZmqEmbeddingReceiver, _error_from
+from registry.client.received_item import item_from_buffer
+from registry.client.zmq_receiver import ZmqEmbeddingReceiver, _error_from
 
 
 def _items(*tensors):

@@ -2,7 +2,7 @@
 
 from ray.serve.exceptions import BackPressureError
 
-from registry.encoding import encode_error as _encode_error
+from registry.server.encodes import encode_error as _encode_error
 from registry.errors import EncodeFailed, InvalidRequest, Overloaded
 
 

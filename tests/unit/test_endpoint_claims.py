@@ -5,7 +5,7 @@ import pytest
 
 from deployments.config import AppConfig
 from registry.errors import AlreadyReleased, EncodeFailed, Expired, InvalidRank, InvalidRequest
-from registry.state import OPEN, RegistryState, StagedItem
+from registry.server.state import OPEN, RegistryState, StagedItem
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """A scheduler's local view of registry entries, driven directly (no Ray, no vLLM)."""
 
-from registry.engine_view import MAX_POISONED, EngineView
+from registry.engines.vllm.scheduler_view import MAX_POISONED, EngineView
 
 
 def test_a_new_item_is_asked_about_and_its_request_waits_for_the_answer():

@@ -96,7 +96,7 @@ def test_lost_staged_embeddings_read_the_same_wherever_they_are_found():
     from ray.exceptions import ObjectLostError, OwnerDiedError
 
     from registry.errors import staged_lost
-    from registry.receiver import _translate
+    from registry.client.receiver import _translate
 
     expected = staged_lost("r")
     for raised in (ObjectLostError("00" * 28, None, ""), OwnerDiedError("00" * 28, None, "")):

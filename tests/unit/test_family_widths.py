@@ -80,7 +80,7 @@ def test_a_vllm_consumer_s_placeholder_has_the_staged_width(name, saved):
     on the last axis, so it must be as wide as a staged one."""
     from types import SimpleNamespace
 
-    from registry.vllm_worker import _image_width
+    from registry.engines.vllm.worker import _image_width
 
     config, rule = saved(name)[1].config, WIDTHS[name][2]
     # What the worker reads of vLLM's ModelConfig: the HF config and the LM's input width.

@@ -1,4 +1,4 @@
-"""``encoder.fetch``: the media policy, against a real local HTTP(S) server and real files.
+"""``encoder.media_fetch``: the media policy, against a real local HTTP(S) server and real files.
 
 The servers listen on 127.0.0.1 only; tests that want a fetch to succeed name it
 ``localhost`` and allow the loopback networks explicitly, as a deployment would.
@@ -18,7 +18,7 @@ import time
 import pytest
 from support import image_bytes
 
-from encoder.fetch import MediaPolicy, address_allowed, host_allowed, load_url
+from encoder.media_fetch import MediaPolicy, address_allowed, host_allowed, load_url
 from encoder.media import MediaError
 
 PNG = image_bytes(32, 24, seed=3)

@@ -2,6 +2,7 @@
 decoder rank that only fetches never loads Ray Serve."""
 
 import dataclasses
+import pathlib
 import subprocess
 import sys
 
@@ -17,16 +18,55 @@ def _fresh(code: str, timeout: int = 120) -> str:
 
 def test_ingress_and_registry_modules_do_not_import_torch():
     code = (
-        "import sys, deployments, deployments.ingress, registry, registry.actor, encoder; "
+        "import sys, deployments, deployments.ingress, registry, registry.server.actor, encoder; "
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     )
     assert _fresh(code) == "[]"
 
 
+_CLIENT_PACKAGES = ("registry/client", "registry/engines")
+_SERVER_ONLY = ("registry.server", "deployments", "ray.serve", "fastapi", "starlette")
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """Every module ``path`` imports, at any depth (inside functions too)."""
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_no_client_or_engine_module_imports_the_server_side_or_serve():
+    root = pathlib.Path(__file__).resolve().parents[2]
+    modules = [path for package in _CLIENT_PACKAGES for path in sorted((root / package).rglob("*.py"))]
+    assert len(modules) >= 8, modules  # the packages are where this test looks
+    offending = {
+        str(path.relative_to(root)): sorted(name for name in _imports(path) if name.startswith(_SERVER_ONLY))
+        for path in modules
+    }
+    assert {path: names for path, names in offending.items() if names} == {}
+
+
+def test_the_shared_core_imports_no_side():
+    root = pathlib.Path(__file__).resolve().parents[2]
+    core = sorted((root / "registry").glob("*.py"))
+    sides = ("registry.server", "registry.client", "registry.engines")
+    offending = {str(path.relative_to(root)): sorted(n for n in _imports(path) if n.startswith(sides)) for path in core}
+    # The package's lazy exports and the connector's public path point into the sides.
+    allowed = {"registry/__init__.py", "registry/vllm_connector.py"}
+    assert {path: names for path, names in offending.items() if names and path not in allowed} == {}
+
+
 def test_a_decoder_rank_importing_the_receiver_does_not_load_serve():
     code = (
         "import sys; from registry import EmbeddingReceiver, lookup_registry; "
-        "print(sorted(m for m in ('ray.serve', 'fastapi', 'registry.actor') if m in sys.modules))"
+        "print(sorted(m for m in sys.modules if m.startswith(('ray.serve', 'fastapi', 'registry.server'))))"
     )
     assert _fresh(code) == "[]"
 
@@ -50,7 +90,7 @@ def test_the_vllm_connector_loads_no_model_stack_and_no_serve():
     # (vLLM itself imports transformers' auto classes; the vision towers are the encoder's.)
     code = (
         "import os, sys; os.environ['VLLM_TARGET_DEVICE'] = 'cpu'; "
-        "import registry.vllm_connector, registry.receiver; "
+        "import registry.vllm_connector, registry.client.receiver; "
         "print(sorted(m for m in sys.modules if m in ('encoder.base', 'encoder.loader', 'encoder.qwen_vl', "
         "'encoder.llava', 'encoder.tiny_vit', 'deployments', 'ray.serve', 'fastapi', "
         "'transformers.models.qwen2_5_vl.modeling_qwen2_5_vl', 'transformers.models.qwen2_vl.modeling_qwen2_vl', "
@@ -85,7 +125,7 @@ def test_our_requirements_admit_the_versions_vllm_pins():
 def test_the_zmq_receiver_imports_no_ray():
     # A decoder rank outside the cluster: pyzmq, numpy and torch only.
     code = (
-        "import sys; from registry.zmq_receiver import ZmqEmbeddingReceiver; import registry; registry.ReceivedItem; "
+        "import sys; from registry.client.zmq_receiver import ZmqEmbeddingReceiver; import registry; registry.ReceivedItem; "
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'ray', 'fastapi', 'httpx', 'transformers', 'encoder'}))"
     )
     assert _fresh(code) == "[]"

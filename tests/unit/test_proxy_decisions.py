@@ -17,7 +17,7 @@ from deployments.proxy import ITEM_ERROR_ACTIONS
 from deployments.schemas import REQ_ID_PATTERN
 from deployments.upstream import _event_verdict
 from registry.errors import HTTP_STATUS, RegistryError
-from registry.finder import cluster_address
+from registry.engines.vllm.finder import cluster_address
 from support import wait_until
 
 

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from deployments import AppConfig
-from registry.shards import shard_name, shard_of, sum_stats
+from registry.routing import shard_name, shard_of, sum_stats
 
 
 def test_a_req_id_s_shard_is_crc32_of_its_utf8_mod_n_the_same_in_every_process():

@@ -5,14 +5,14 @@ import asyncio
 
 from deployments.config import AppConfig
 from encoder import EncodedItem, PreparedItem
-from registry.encoding import EncoderClient
-from registry.inputs import MediaInput
+from registry.server.encodes import EncoderClient
+from registry.server.inputs import MediaInput
 
 import torch
 
 
 class HeldCalls:
-    """Stands in for ``registry.encoder_calls.EncoderCalls``: each encode waits for ``release``."""
+    """Stands in for ``registry.server.batched_calls.EncoderCalls``: each encode waits for ``release``."""
 
     def __init__(self):
         self.started = 0

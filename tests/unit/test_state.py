@@ -17,7 +17,7 @@ from registry.errors import (
     UnknownRequest,
 )
 from deployments.config import AppConfig
-from registry.state import OPEN, IllegalTransition, RegistryState, StagedItem
+from registry.server.state import OPEN, IllegalTransition, RegistryState, StagedItem
 
 
 def limits(**changed):

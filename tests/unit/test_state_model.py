@@ -29,7 +29,7 @@ from registry.errors import (
     UnknownRequest,
 )
 from deployments.config import AppConfig
-from registry.state import RegistryState, StagedItem
+from registry.server.state import RegistryState, StagedItem
 
 LIMITS = AppConfig(ttl_s=10.0, encode_timeout_s=5.0, max_receive_count=3, tombstone_ttl_s=30.0, max_tombstones=4).limits()
 REQ_IDS = st.sampled_from(["a", "b", "c", "d", "e", "f"])

@@ -11,7 +11,7 @@ import types
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from registry.vllm_connector import RayRegistryECConnector, RayRegistryECWorkerMetadata
-from registry.vllm_metrics import RegistryECStats
+from registry.engines.vllm.metrics import RegistryECStats
 
 
 def test_stats_are_taken_once_and_merge_as_vllm_accumulates_them():

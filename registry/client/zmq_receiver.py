@@ -2,7 +2,7 @@
 
 ::
 
-    from registry.zmq_receiver import ZmqEmbeddingReceiver
+    from registry.client.zmq_receiver import ZmqEmbeddingReceiver
 
     rx = ZmqEmbeddingReceiver(rank=r, url="http://127.0.0.1:8000", bind="tcp://127.0.0.1:0")
     items = rx.fetch(req_id, timeout_s=30.0)      # [ReceivedItem(tensor, meta), ...] in item order
@@ -33,7 +33,7 @@ from typing import Any
 import zmq
 
 from registry.errors import ERRORS_BY_CODE, InvalidRequest, NotReady, RegistryError, Unavailable
-from registry.received import ReceivedItem, item_from_buffer
+from registry.client.received_item import ReceivedItem, item_from_buffer
 from registry.settings import MAX_WAIT_S, api_token_from_env
 
 # How long a registered push may go without a message arriving before it is registered again.

@@ -28,14 +28,14 @@ from typing import Any
 import ray
 
 from registry.errors import InvalidRequest, Overloaded, RegistryError, Unavailable
-from registry.inputs import MediaInput
+from registry.server.inputs import MediaInput
 from registry.logs import RateLimited, configure_actor_logging, error_fields, get_logger, log_error
-from registry.metrics import RegistryMetrics
-from registry.rank_calls import RankCalls, check_wait
+from registry.server.metrics import RegistryMetrics
+from registry.server.rank_calls import RankCalls, check_wait
 from registry.settings import RegistrySettings
-from registry.shards import shard_of
+from registry.routing import shard_of
 from registry.supervision import supervised
-from registry.state import (
+from registry.server.state import (
     LIVE_STATES,
     MAX_LIST_LIMIT,
     PENDING,
@@ -74,7 +74,7 @@ def _answer(entry: Entry) -> dict[str, Any]:
 
 class EmbeddingRegistry(RankCalls):
     """Actor class; create it with ``get_or_create_registry``. The calls of decoder ranks
-    (fetch, acknowledge, states, watch, report_lost) are ``registry.rank_calls``'."""
+    (fetch, acknowledge, states, watch, report_lost) are ``registry.server.rank_calls``'."""
 
     def __init__(self, settings: RegistrySettings):
         configure_actor_logging()
@@ -97,7 +97,7 @@ class EmbeddingRegistry(RankCalls):
         # Imported here, not with the module: Ray loads this class, for its methods'
         # signatures, in every process that calls the registry, decoder ranks included, and
         # the encoder client brings Serve and FastAPI (0.6 CPU-s on a rank's first fetch).
-        from registry.encoding import EncoderClient
+        from registry.server.encodes import EncoderClient
 
         self._encoder = EncoderClient(settings)
         self._started_at = time.time()
@@ -116,7 +116,7 @@ class EmbeddingRegistry(RankCalls):
         """
         if after_loss:
             self._restarted = True
-        # Which req_ids this shard holds is fixed at creation (``registry.lookup`` warns).
+        # Which req_ids this shard holds is fixed at creation (``registry.server.create`` warns).
         settings = dataclasses.replace(settings, registry_shards=self._settings.registry_shards, shard=self._settings.shard)
         if settings.registry_max_concurrency != self._settings.registry_max_concurrency:
             logger.warning(

@@ -7,7 +7,7 @@ shard ``i > 0`` under ``"{name}.{i}"``. A req_id belongs to shard
 language, with nothing to ask first except N, which shard 0 answers (``ping``).
 
 Nothing about one entry involves two shards, so each shard keeps the lifecycle of
-``registry.state`` exactly, and a shard that dies loses only its own entries.
+``registry.server.state`` exactly, and a shard that dies loses only its own entries.
 What spans shards is summed by the caller: ``stats``, and the admission limits,
 which each shard applies to its even share (``RegistrySettings.for_shard``).
 """
@@ -15,39 +15,13 @@ which each shard applies to its even share (``RegistrySettings.for_shard``).
 from __future__ import annotations
 
 import asyncio
-import zlib
 from collections.abc import Iterable
-from typing import Any
 
 import ray
 
 from registry.errors import Unavailable
+from registry.routing import shard_name, shard_of
 from registry.settings import RegistrySettings, registry_address
-
-
-def shard_of(req_id: str, shards: int) -> int:
-    """The shard that holds ``req_id`` among ``shards``."""
-    if shards == 1:
-        return 0
-    return zlib.crc32(req_id.encode("utf-8", "surrogatepass")) % shards
-
-
-def shard_name(name: str, shard: int) -> str:
-    """The actor name of shard ``shard`` of the registry called ``name``."""
-    return name if shard == 0 else f"{name}.{shard}"
-
-
-def sum_stats(per_shard: Iterable[dict[str, Any]]) -> dict[str, Any]:
-    """One ``stats`` answer for the whole registry: every count (all of them are) summed over
-    the shards; ``max_staged_bytes`` sums each shard's share to the app-wide limit."""
-    total: dict[str, Any] = {}
-    for stats in per_shard:
-        for key, value in stats.items():
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                total.setdefault(key, value)
-            else:
-                total[key] = total.get(key, 0) + value
-    return total
 
 
 class Shards:
@@ -135,3 +109,18 @@ def find_actor(name: str, namespace: str) -> ray.actor.ActorHandle:
             f"no registry actor named {name!r} in namespace {namespace!r}; is the epd app running, "
             "and do registry_name/registry_namespace match its config?"
         ) from None
+
+
+def lookup_shards(name: str | None = None, namespace: str | None = None) -> Shards:
+    """Every shard of the running registry (blocking); ``Unavailable`` if one is missing."""
+    return Shards.lookup(name, namespace)
+
+
+def lookup_registry(
+    name: str | None = None, namespace: str | None = None, *, req_id: str | None = None
+) -> ray.actor.ActorHandle:
+    """The running registry's actor that holds ``req_id`` (with one shard, the only one;
+    without ``req_id``, shard 0); ``Unavailable`` if there is none under that name."""
+    if req_id is not None:
+        return lookup_shards(name, namespace).of(req_id)
+    return find_actor(*registry_address(name, namespace))

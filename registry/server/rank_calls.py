@@ -3,7 +3,7 @@
 SGLang's run), the batched ``states`` query and the ``watch`` long poll, and
 ``report_lost``.
 
-``RankCalls`` is a base class of ``registry.actor.EmbeddingRegistry``, kept apart
+``RankCalls`` is a base class of ``registry.server.actor.EmbeddingRegistry``, kept apart
 because these calls are the decoder's side of the lifecycle: they count ranks and
 release entries, where the rest of the actor accepts, encodes and expires them. It
 uses the actor's state (``_state``, ``_settings``, ``_metrics``, ``_watchers``, ``_pushes``,
@@ -23,9 +23,9 @@ import ray
 from registry.errors import InvalidRequest, NotReady, RegistryError, Unavailable, staged_lost
 from registry.logs import get_logger
 from registry.settings import MAX_WAIT_S
-from registry.state import LIVE_STATES, OPEN, STAGED, FetchResult, StagedItem, ended_error
+from registry.server.state import LIVE_STATES, OPEN, STAGED, FetchResult, StagedItem, ended_error
 
-logger = get_logger("registry.actor")  # the actor's own lines: one logger for the whole registry
+logger = get_logger("registry.server.actor")  # the actor's own lines: one logger for the whole registry
 
 # Most req_ids one ``states``, ``watch`` or ``fetch_many`` call may name.
 MAX_IDS_PER_CALL = 100_000
@@ -83,7 +83,7 @@ class RankCalls:
         self, req_id: str, rank: int, timeout_s: float, transport: str = "ray"
     ) -> list[tuple[dict[str, Any], ray.ObjectRef]]:
         """Wait until ``req_id`` is staged, count ``rank`` as a receiver, return (meta, ref) per
-        item, where a small item (up to ``registry.inputs.INLINE_MAX_BYTES``) comes as its
+        item, where a small item (up to ``registry.server.inputs.INLINE_MAX_BYTES``) comes as its
         ``EncodedItem`` in place of the ref.
 
         The caller becomes a borrower of the refs, so it keeps the bytes alive after

@@ -8,7 +8,7 @@ from the bytes and reports) and, in order:
 1. a cache hit hands back the staged item already held (no model run, no copy);
 2. an identical item being encoded right now is awaited, not encoded again
    (so duplicates in one request, or in one batch, run once);
-3. otherwise the item goes to the ``Encoder`` deployment (``registry.encoder_calls``,
+3. otherwise the item goes to the ``Encoder`` deployment (``registry.server.batched_calls``,
    which sends the items that reach it together in one call), in a task shared by
    everyone waiting for that hash. It is cancelled only when its last waiter is.
 
@@ -30,12 +30,12 @@ from ray.exceptions import ObjectLostError, RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RayServeException
 
 from encoder.hashing import mm_hash
-from registry.cache import EncoderCache
-from registry.encoder_calls import EncoderCalls
+from registry.server.cache import EncoderCache
+from registry.server.batched_calls import EncoderCalls
 from registry.errors import EncodeFailed, Overloaded, RegistryError, Unavailable, input_lost, unwrap
-from registry.inputs import INLINE_MAX_BYTES, MediaInput
+from registry.server.inputs import INLINE_MAX_BYTES, MediaInput
 from registry.settings import RegistrySettings
-from registry.state import StagedItem
+from registry.server.state import StagedItem
 
 
 def encode_error(exc: BaseException, req_id: str, index: int) -> RegistryError:
@@ -161,7 +161,7 @@ class EncoderClient:
 
     async def _model_identity(self) -> str:
         """The serving model's identity, asked once for every item that needs it meanwhile
-        (so the items of a request reach ``registry.encoder_calls`` together)."""
+        (so the items of a request reach ``registry.server.batched_calls`` together)."""
         task = self._identity
         if task is None:
             task = self._identity = asyncio.create_task(self._ask_identity(), context=contextvars.Context())

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from registry.state import StagedItem
+from registry.server.state import StagedItem
 
 
 class EncoderCache:

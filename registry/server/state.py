@@ -64,7 +64,7 @@ import heapq
 import itertools
 from collections import OrderedDict
 
-from registry.entries import (  # noqa: F401 - re-exported: the lifecycle's names
+from registry.server.entries import (  # noqa: F401 - re-exported: the lifecycle's names
     CANCELLED,
     EXPIRED,
     FAILED,

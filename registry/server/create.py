@@ -1,4 +1,5 @@
-"""Finding the registry's actors, and creating them with the options they must have."""
+"""Creating the registry's actors with the options they must have (the server side;
+finding running ones is ``registry.client.shards``')."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import dataclasses
 import ray
 
 from registry.logs import get_logger
-from registry.settings import RegistrySettings, registry_address
-from registry.shards import Shards, find_actor, shard_name
+from registry.client.shards import Shards
+from registry.routing import shard_name
+from registry.settings import RegistrySettings
 
 logger = get_logger(__name__)
 
@@ -43,7 +45,7 @@ def get_or_create_registry(settings: RegistrySettings) -> ray.actor.ActorHandle:
     """
     # Here, not at the top: the actor class imports Ray Serve, which a decoder rank that
     # only looks the registry up (``EmbeddingReceiver``) should not have to load.
-    from registry.actor import EmbeddingRegistry
+    from registry.server.actor import EmbeddingRegistry
 
     actor_cls = ray.remote(EmbeddingRegistry)
     return actor_cls.options(
@@ -56,18 +58,3 @@ def get_or_create_registry(settings: RegistrySettings) -> ray.actor.ActorHandle:
         num_cpus=0,
         resources={"node:__internal_head__": 0.001},
     ).remote(settings)
-
-
-def lookup_shards(name: str | None = None, namespace: str | None = None) -> Shards:
-    """Every shard of the running registry (blocking); ``Unavailable`` if one is missing."""
-    return Shards.lookup(name, namespace)
-
-
-def lookup_registry(
-    name: str | None = None, namespace: str | None = None, *, req_id: str | None = None
-) -> ray.actor.ActorHandle:
-    """The running registry's actor that holds ``req_id`` (with one shard, the only one;
-    without ``req_id``, shard 0); ``Unavailable`` if there is none under that name."""
-    if req_id is not None:
-        return lookup_shards(name, namespace).of(req_id)
-    return find_actor(*registry_address(name, namespace))

@@ -1,5 +1,6 @@
-"""The registry's records: an entry's states, its limits, the entry itself and its staged
-items, and the error a caller gets for an entry that ended. ``registry.state`` holds the
+"""The registry's records: an entry (its states and limits are named in ``registry.states``
+and ``registry.settings``), the entry itself and its staged
+items, and the error a caller gets for an entry that ended. ``registry.server.state`` holds the
 rules that move entries between states (and re-exports these names).
 """
 
@@ -9,34 +10,10 @@ import dataclasses
 from typing import Any
 
 from registry.errors import AlreadyReleased, Cancelled, EncodeFailed, Expired, RegistryError, Unavailable
-
-PENDING, STAGED, RELEASED, EXPIRED, CANCELLED, FAILED = (
-    "pending", "staged", "released", "expired", "cancelled", "failed",
+from registry.settings import Limits  # noqa: F401 - re-exported with the lifecycle's names
+from registry.states import (  # noqa: F401 - re-exported: the lifecycle's names
+    CANCELLED, EXPIRED, FAILED, LIVE_STATES, MAX_LIST_LIMIT, OPEN, PENDING, RELEASED, STAGED, TERMINAL_STATES, UNKNOWN,
 )
-# What ``state_of`` answers for a req_id with no entry and no tombstone: never seen,
-# aged out, or lost with a registry restart.
-UNKNOWN = "unknown"
-LIVE_STATES = (PENDING, STAGED)
-TERMINAL_STATES = (RELEASED, EXPIRED, CANCELLED, FAILED)
-# Most entries one page of ``list_entries`` holds (the registry's and the HTTP route's bound).
-MAX_LIST_LIMIT = 1000
-# The receive_count of an entry whose ranks will say how many they are (``claim``).
-OPEN = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class Limits:
-    """The lifecycle's limits, named as ``deployments.AppConfig``'s keys, which hold every
-    default and description (``AppConfig.limits()`` builds this)."""
-
-    ttl_s: float
-    encode_timeout_s: float
-    max_receive_count: int
-    tombstone_ttl_s: float
-    max_tombstones: int
-    # Admission: past either, a new request is refused with ``overloaded``.
-    max_pending_requests: int
-    max_staged_bytes: int
 
 
 @dataclasses.dataclass(slots=True)

@@ -2,7 +2,7 @@
 
 Kept out of the state machine so the rules stay testable without Ray; the actor
 publishes ``RegistryState.stats()`` and the cache's stats through ``sync`` at most
-every 0.5 s while the table changes (``registry.actor``'s publish loop): gauges as
+every 0.5 s while the table changes (``registry.server.actor``'s publish loop): gauges as
 they are, running totals as counter increments. The per-call counters (requests,
 fetches, errors) are counted in this process and handed to Ray by ``flush`` on the
 same loop: a Ray counter increment costs about as much as the registry's own work
@@ -18,7 +18,7 @@ from ray.util.metrics import Counter, Gauge, Histogram
 _LATENCY_BOUNDARIES_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
 _ENDED_STATES = ("released", "expired", "cancelled", "failed")
 _CACHE_EVENTS = {"cache_hits_total": "hit", "cache_misses_total": "miss", "cache_evictions_total": "eviction"}
-# Running totals of the batched calls (``registry.encoder_calls``, ``submit_many``): their
+# Running totals of the batched calls (``registry.server.batched_calls``, ``submit_many``): their
 # ratios say how full the calls are.
 _CALL_TOTALS = {
     "encoder_calls_total": ("epd_encoder_calls_total", "Calls the registry made to the Encoder deployment."),

@@ -62,7 +62,7 @@ class RegistryFinder:
         import ray
 
         from registry.errors import Unavailable
-        from registry.shards import Shards
+        from registry.client.shards import Shards
 
         try:
             if not ray.is_initialized():

@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from registry.state import CANCELLED, EXPIRED, FAILED, PENDING, STAGED, UNKNOWN
+from registry.states import CANCELLED, EXPIRED, FAILED, PENDING, STAGED, UNKNOWN
 
 _LIVE = (PENDING, STAGED)
 _ENDED_BADLY = (FAILED, EXPIRED, CANCELLED)

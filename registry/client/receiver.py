@@ -28,8 +28,8 @@ from ray import exceptions as ray_exc
 
 from encoder.types import EncodedItem
 from registry.errors import NotReady, RegistryError, Unavailable, staged_lost, unwrap
-from registry.received import ReceivedItem
-from registry.shards import Shards
+from registry.client.received_item import ReceivedItem
+from registry.client.shards import Shards
 from registry.supervision import gather_within
 
 # Extra seconds on top of the registry's own timeout before giving up on the call.

@@ -1,7 +1,7 @@
 """What a decoder rank receives, whichever way it came: ``ReceivedItem``.
 
 Ray-free (numpy and torch only), so receivers outside the Ray cluster
-(``registry.zmq_receiver``) build the same objects as ``EmbeddingReceiver``.
+(``registry.client.zmq_receiver``) build the same objects as ``EmbeddingReceiver``.
 """
 
 from __future__ import annotations

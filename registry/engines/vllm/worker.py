@@ -19,7 +19,7 @@ import torch
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-    from registry.vllm_connector import ConnectorSettings, ItemLoad
+    from registry.engines.vllm.connector import ConnectorSettings, ItemLoad
 
 # The connector's logger: one name for both of its sides.
 logger = logging.getLogger("vllm.ec_connector.ray_registry")
@@ -119,8 +119,8 @@ class WorkerSide:
         if rank not in self._receivers:
             import ray
 
-            from registry.finder import cluster_address
-            from registry.receiver import EmbeddingReceiver
+            from registry.engines.vllm.finder import cluster_address
+            from registry.client.receiver import EmbeddingReceiver
 
             if not ray.is_initialized():
                 # As the scheduler side does: a worker process of vLLM's ``mp`` backend has no Ray
