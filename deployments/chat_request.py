@@ -17,6 +17,7 @@ import json
 import uuid
 from typing import Any
 
+from deployments.http_api import parse_json
 from registry.errors import InvalidRequest
 
 
@@ -68,12 +69,7 @@ def parse_chat_request(raw: bytes, vllm_url: str, tensor_parallel_size: int) -> 
             list, a message or content part not an object, an ``image_url`` part
             without a string ``image_url.url``.
     """
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise InvalidRequest("the request body is not valid JSON: nested too deeply") from None
+    body = parse_json(raw)
     if not isinstance(body, dict):
         raise InvalidRequest(f"the request body must be a JSON object, got {type(body).__name__}")
     messages = body.get("messages")

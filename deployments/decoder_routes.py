@@ -33,8 +33,8 @@ from deployments.tensor_file import safetensors_bytes
 from deployments.zmq_push import check_endpoint, frames
 from registry.errors import InvalidRequest, Unavailable, staged_lost
 from registry.settings import MAX_WAIT_S
-from registry.server.state import LIVE_STATES, MAX_LIST_LIMIT, TERMINAL_STATES
-from registry.supervision import gather_within
+from registry.client.receiver import read_pairs
+from registry.states import LIVE_STATES, MAX_LIST_LIMIT, TERMINAL_STATES
 
 # Push and acknowledge bodies are a few fields.
 _SMALL_BODY_BYTES = 64 * 1024
@@ -121,13 +121,12 @@ class DecoderRoutes:
 
     async def _read_items(self, req_id: str, pairs: list[tuple[dict[str, Any], Any]]) -> list[tuple[dict[str, Any], np.ndarray]]:
         """(meta, payload) per item of a fetch's answer: small items came in it, large ones are read here."""
-        refs = [held for _, held in pairs if isinstance(held, ray.ObjectRef)]
         try:
-            values = iter(await gather_within(_READ_TIMEOUT_S, *refs))
+            read = await read_pairs(pairs, _READ_TIMEOUT_S)
         except (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError):
             # Gone with their node: the registry checks and ends the entry, so other ranks are told at once.
             await asyncio.gather(self._call(req_id, "report_lost"), return_exceptions=True)
             raise staged_lost(req_id) from None
         except TimeoutError:
             raise Unavailable(f"reading the staged embeddings of req_id {req_id} timed out; retry", req_id) from None
-        return [(meta, (next(values) if isinstance(held, ray.ObjectRef) else held).payload) for meta, held in pairs]
+        return [(meta, item.payload) for meta, item in read]

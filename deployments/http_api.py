@@ -86,7 +86,11 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 async def read_json(request: Request, limit: int) -> Any:
     """The request body parsed as JSON, at most ``limit`` bytes; else ``invalid_request``."""
-    raw = await read_body(request, limit)
+    return parse_json(await read_body(request, limit))
+
+
+def parse_json(raw: bytes) -> Any:
+    """``raw`` parsed as JSON; else ``invalid_request`` saying why."""
     try:
         return json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -3,7 +3,7 @@
 ::
 
     rx = EmbeddingReceiver(rank=tp_rank)          # in each rank's process
-    items = rx.fetch(req_id, timeout_s=30.0)      # or: await rx.fetch_async(...)
+    items = rx.fetch(req_id, timeout_s=30.0)      # or: await rx.fetch_async(...), and so on
     items[0].tensor, items[0].meta
     batch = rx.fetch_many([a, b, c])              # {req_id: items or its RegistryError}
     rx.acknowledge(other_req_id)                  # already held: count this rank, read nothing
@@ -20,7 +20,9 @@ registry released the entry.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Generator
+import os
+import threading
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import ray
@@ -30,6 +32,7 @@ from encoder.types import EncodedItem
 from registry.errors import NotReady, RegistryError, Unavailable, staged_lost, unwrap
 from registry.client.received_item import ReceivedItem
 from registry.client.shards import Shards
+from registry.checks import check_rank
 from registry.supervision import gather_within
 
 # Extra seconds on top of the registry's own timeout before giving up on the call.
@@ -54,32 +57,18 @@ def _translate(exc: BaseException, req_id: str) -> BaseException:
     return exc
 
 
-def _get_or_error(refs: Any, timeout_s: float) -> Any:
-    try:
-        return ray.get(refs, timeout=timeout_s)
-    except Exception as exc:  # noqa: BLE001 - one request's failure is its answer
-        return exc
+async def read_pairs(pairs: list[tuple[dict[str, Any], Any]], timeout_s: float) -> list[tuple[dict[str, Any], EncodedItem]]:
+    """A fetch's answer read: (meta, item) per item, in order. Small items came in the answer;
+    the refs of large ones are read here, all within ``timeout_s`` (else ``TimeoutError``).
+    Bounded because under load Ray has been seen (about one read in 3,000, several ranks of
+    one process reading one entry) never to answer one."""
+    refs = [held for _, held in pairs if isinstance(held, ray.ObjectRef)]
+    values = iter(await gather_within(timeout_s, *refs))
+    return [(meta, next(values) if isinstance(held, ray.ObjectRef) else held) for meta, held in pairs]
 
 
-async def _read_within(refs: Any, timeout_s: float) -> Any:
-    """The value of a ref, or the values of a list of refs, within ``timeout_s``."""
-    if isinstance(refs, list):
-        return await gather_within(timeout_s, *refs)
-    return await asyncio.wait_for(refs, timeout_s)
-
-
-def _refs(pairs: list[tuple[dict[str, Any], Any]]) -> list[ray.ObjectRef]:
-    """What is left to read of a fetch's answer: small items came in it, large ones as refs."""
-    return [held for _, held in pairs if isinstance(held, ray.ObjectRef)]
-
-
-def _items(pairs: list[tuple[dict[str, Any], Any]], read: list[EncodedItem]) -> list[ReceivedItem]:
-    """The received items, in order: each pair's item, or the value read for its ref."""
-    values = iter(read)
-    return [
-        ReceivedItem(tensor=(next(values) if isinstance(held, ray.ObjectRef) else held).tensor(), meta=meta)
-        for meta, held in pairs
-    ]
+def _received(read: list[tuple[dict[str, Any], EncodedItem]]) -> list[ReceivedItem]:
+    return [ReceivedItem(tensor=item.tensor(), meta=meta) for meta, item in read]
 
 
 class EmbeddingReceiver:
@@ -89,62 +78,138 @@ class EmbeddingReceiver:
     ``receive_count``). ``registry_name``/``registry_namespace`` default to the
     app's defaults (or ``EPD_REGISTRY_NAME``/``EPD_REGISTRY_NAMESPACE``).
     Errors are ``registry.errors.RegistryError`` subclasses with a ``.code``.
+
+    Every call is written once, as a coroutine (``fetch_async`` and the other ``*_async``
+    calls, for event loops: async actors, FastAPI handlers). The blocking calls run that
+    coroutine on this process's receiver loop and wait for it; in an async actor they would
+    block its loop, so use the ``*_async`` ones there.
     """
 
     def __init__(self, rank: int, *, registry_name: str | None = None, registry_namespace: str | None = None):
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-            raise ValueError(f"rank must be an integer >= 0, got {rank!r}")
-        self.rank = rank
+        self.rank = check_rank(rank, ValueError)
         self._name = registry_name
         self._namespace = registry_namespace
         self._shards: Shards | None = None
 
-    def _lookup(self) -> Shards:
-        if self._shards is None:
-            self._shards = Shards.lookup(self._name, self._namespace)
-        return self._shards
+    # --- blocking -----------------------------------------------------------------
 
-    async def _lookup_async(self) -> Shards:
+    def fetch(self, req_id: str, timeout_s: float = 30.0) -> list[ReceivedItem]:
+        """Blocking ``fetch_async``."""
+        return _blocking(self.fetch_async(req_id, timeout_s))
+
+    def fetch_many(self, req_ids: list[str], timeout_s: float = 30.0) -> dict[str, list[ReceivedItem] | RegistryError]:
+        """Blocking ``fetch_many_async``."""
+        return _blocking(self.fetch_many_async(req_ids, timeout_s))
+
+    def acknowledge(self, req_id: str, timeout_s: float = 0.0) -> bool:
+        """Blocking ``acknowledge_async``."""
+        return _blocking(self.acknowledge_async(req_id, timeout_s))
+
+    def acknowledge_many(self, req_ids: list[str], timeout_s: float = 0.0) -> dict[str, bool | RegistryError]:
+        """Blocking ``acknowledge_many_async``."""
+        return _blocking(self.acknowledge_many_async(req_ids, timeout_s))
+
+    # --- the rules ----------------------------------------------------------------
+
+    async def fetch_async(self, req_id: str, timeout_s: float = 30.0) -> list[ReceivedItem]:
+        """Wait up to ``timeout_s`` until ``req_id`` is staged, count this rank as one of its
+        receivers, and read its items (zero-copy on the registry's node)."""
+        bound = timeout_s + _CALL_GRACE_S
+        try:
+            pairs = await self._call(req_id, lambda shard: shard.fetch.remote(req_id, self.rank, timeout_s), bound)
+            try:
+                return _received(await read_pairs(pairs, bound))
+            except _LOST:
+                await self._report_lost(req_id)
+                raise
+        except Exception as exc:  # noqa: BLE001 - translated to the project's errors
+            raise _translate(exc, req_id) from None
+
+    async def fetch_many_async(
+        self, req_ids: list[str], timeout_s: float = 30.0
+    ) -> dict[str, list[ReceivedItem] | RegistryError]:
+        """Fetch many requests at once as this rank (a decoder batch): one registry call per
+        shard involved, each request by ``fetch_async``'s rules within ``timeout_s``.
+
+        Returns ``{req_id: items}`` in the order given, where one request's failure is its
+        ``RegistryError`` in place of its items; only a failure of the whole call raises.
+        """
+        bound = timeout_s + _CALL_GRACE_S
+        try:
+            out = await self._per_shard(req_ids, lambda shard, ids: shard.fetch_many.remote(ids, self.rank, timeout_s), bound)
+        except Exception as exc:  # noqa: BLE001
+            raise _translate(exc, None) from None
+        staged = {req_id: pairs for req_id, pairs in out.items() if isinstance(pairs, list)}
+        reads = await asyncio.gather(*(read_pairs(pairs, bound) for pairs in staged.values()), return_exceptions=True)
+        for req_id, read in zip(staged, reads, strict=True):
+            if isinstance(read, _LOST):
+                await self._report_lost(req_id)
+            out[req_id] = _translate(read, req_id) if isinstance(read, BaseException) else _received(read)
+        return out
+
+    async def acknowledge_async(self, req_id: str, timeout_s: float = 0.0) -> bool:
+        """Count this rank as a receiver of ``req_id`` without reading its bytes.
+
+        For a rank that already holds the items (its own cache hit): the entry is
+        released after its last rank as if this one had fetched, instead of waiting
+        for its ttl. Same rules and errors as ``fetch_async`` (``timeout_s`` waits while
+        pending). Returns True if this released the entry.
+        """
+        bound = timeout_s + _CALL_GRACE_S
+        try:
+            answer = await self._call(req_id, lambda shard: shard.acknowledge.remote(req_id, self.rank, timeout_s), bound)
+        except Exception as exc:  # noqa: BLE001
+            raise _translate(exc, req_id) from None
+        return answer["released"]
+
+    async def acknowledge_many_async(self, req_ids: list[str], timeout_s: float = 0.0) -> dict[str, bool | RegistryError]:
+        """``acknowledge_async`` of each req_id, with one registry call per shard involved.
+
+        Returns ``{req_id: released}`` in the order given, where one request's failure is its
+        ``RegistryError`` in its place; only a failure of the whole call raises.
+        """
+        bound = timeout_s + _CALL_GRACE_S
+        try:
+            out = await self._per_shard(
+                req_ids, lambda shard, ids: shard.acknowledge_many.remote(ids, self.rank, timeout_s), bound
+            )
+        except Exception as exc:  # noqa: BLE001
+            raise _translate(exc, None) from None
+        return {req_id: answer if isinstance(answer, BaseException) else answer["released"] for req_id, answer in out.items()}
+
+    # --- calls to the registry ------------------------------------------------------
+
+    async def _shards_now(self) -> Shards:
         if self._shards is None:
             self._shards = await Shards.lookup_async(self._name, self._namespace)
         return self._shards
 
-    def _handle(self, req_id: str) -> ray.actor.ActorHandle:
-        return self._lookup().of(req_id)
+    async def _call(self, req_id: str, call: Callable[[Any], Any], bound: float) -> Any:
+        """``call`` on the shard that holds ``req_id``, within ``bound``. A shard that died and
+        was recreated under its name is a new actor: found again and asked once more (each
+        call here is idempotent for a rank)."""
+        for attempt in range(2):
+            shards = await self._shards_now()
+            try:
+                return await asyncio.wait_for(call(shards.of(req_id)), bound)
+            except ray_exc.ActorDiedError:
+                if attempt:
+                    raise
+                self._shards = None
+        raise AssertionError("unreachable")
 
-    # One set of rules for both APIs: ``_fetch_steps`` says what to wait for, in order, and
-    # what to do with each answer; ``fetch`` and ``fetch_async`` only carry the steps out,
-    # blocking or awaiting, each wait bounded by ``timeout_s`` + ``_CALL_GRACE_S``.
-
-    def _fetch_steps(self, req_id: str, timeout_s: float) -> Generator[tuple[str, Any], Any, list[ReceivedItem]]:
-        shards = yield ("shards", None)
-        try:
-            pairs = yield ("get", shards.of(req_id).fetch.remote(req_id, self.rank, timeout_s))
-        except ray_exc.ActorDiedError:
-            # A registry recreated under the same name is a new actor: find it and ask once more
-            # (a fetch is idempotent for a rank).
-            self._shards = None
-            shards = yield ("shards", None)
-            pairs = yield ("get", shards.of(req_id).fetch.remote(req_id, self.rank, timeout_s))
-        refs = _refs(pairs)
-        try:
-            values = (yield ("get", refs)) if refs else []
-        except _LOST:
-            yield ("report_lost", req_id)
-            raise
-        return _items(pairs, values)
-
-    def _fetch_many_steps(
-        self, req_ids: list[str], timeout_s: float
-    ) -> Generator[tuple[str, Any], Any, dict[str, list[ReceivedItem] | RegistryError]]:
+    async def _per_shard(self, req_ids: list[str], call: Callable[[Any, list[str]], Any], bound: float) -> dict[str, Any]:
+        """``call(shard, its req_ids)`` on every shard involved, at once: each distinct req_id, in
+        order, to its answer or its ``RegistryError``. Shards that died and were recreated are
+        asked once more, as in ``_call``."""
+        order = list(dict.fromkeys(req_ids))
         out: dict[str, Any] = {}
-        todo = list(dict.fromkeys(req_ids))
-        order = list(todo)
-        for attempt in range(2):  # once more for shards that died and were recreated, as in fetch
-            shards = yield ("shards", None)
+        todo = order
+        for attempt in range(2):
+            shards = await self._shards_now()
             groups = shards.group(todo)
-            calls = [shards.handles[i].fetch_many.remote(ids, self.rank, timeout_s) for i, ids in groups.items()]
-            answers = yield ("gather", calls)
+            waits = (asyncio.wait_for(call(shards.handles[i], ids), bound) for i, ids in groups.items())
+            answers = await asyncio.gather(*waits, return_exceptions=True)
             todo = []
             for ids, answer in zip(groups.values(), answers, strict=True):
                 if isinstance(answer, ray_exc.ActorDiedError) and attempt == 0:
@@ -155,140 +220,38 @@ class EmbeddingReceiver:
             if not todo:
                 break
             self._shards = None
-        staged = {req_id: pairs for req_id, pairs in out.items() if isinstance(pairs, list)}
-        values = yield ("gather", [_refs(pairs) for pairs in staged.values()])
-        for (req_id, pairs), value in zip(staged.items(), values, strict=True):
-            if isinstance(value, _LOST):
-                yield ("report_lost", req_id)
-            out[req_id] = _translate(value, req_id) if isinstance(value, BaseException) else _items(pairs, value)
         return {req_id: out[req_id] for req_id in order}
 
-    def fetch(self, req_id: str, timeout_s: float = 30.0) -> list[ReceivedItem]:
-        """Blocking fetch. In an async actor use ``fetch_async`` (this would block its loop)."""
-        return self._run(self._fetch_steps(req_id, timeout_s), timeout_s, req_id)
-
-    async def fetch_async(self, req_id: str, timeout_s: float = 30.0) -> list[ReceivedItem]:
-        """``fetch`` for event loops (async actors, FastAPI handlers): the same rules, awaited."""
-        return await self._run_async(self._fetch_steps(req_id, timeout_s), timeout_s, req_id)
-
-    def fetch_many(self, req_ids: list[str], timeout_s: float = 30.0) -> dict[str, list[ReceivedItem] | RegistryError]:
-        """Fetch many requests at once as this rank (a decoder batch): one registry call per
-        shard involved, each request by ``fetch``'s rules within ``timeout_s``.
-
-        Returns ``{req_id: items}`` in the order given, where one request's failure is its
-        ``RegistryError`` in place of its items; only a failure of the whole call raises.
-        """
-        return self._run(self._fetch_many_steps(req_ids, timeout_s), timeout_s, None)
-
-    async def fetch_many_async(
-        self, req_ids: list[str], timeout_s: float = 30.0
-    ) -> dict[str, list[ReceivedItem] | RegistryError]:
-        """``fetch_many`` for event loops: the same rules, awaited."""
-        return await self._run_async(self._fetch_many_steps(req_ids, timeout_s), timeout_s, None)
-
-    # The drivers: "shards" looks the registry up, "get" reads a ref (or a list of refs, all
-    # or nothing), "gather" reads each of several refs or lists, each to its value or its
-    # exception, and "report_lost" tells the registry. Each wait is bounded.
-
-    def _run(self, steps: Generator[tuple[str, Any], Any, Any], timeout_s: float, req_id: str | None) -> Any:
-        answer, error = None, None
-        bound = timeout_s + _CALL_GRACE_S
-        try:
-            while True:
-                kind, what = steps.throw(error) if error is not None else steps.send(answer)
-                answer = error = None
-                try:
-                    if kind == "shards":
-                        answer = self._lookup()
-                    elif kind == "get":
-                        answer = ray.get(what, timeout=bound)
-                    elif kind == "gather":
-                        answer = [_get_or_error(refs, bound) for refs in what]
-                    else:
-                        self._report_lost(what)
-                except Exception as exc:  # noqa: BLE001 - handed to the rules, which decide
-                    error = exc
-        except StopIteration as done:
-            return done.value
-        except Exception as exc:  # noqa: BLE001 - translated to the project's errors
-            raise _translate(exc, req_id) from None
-
-    async def _run_async(self, steps: Generator[tuple[str, Any], Any, Any], timeout_s: float, req_id: str | None) -> Any:
-        answer, error = None, None
-        bound = timeout_s + _CALL_GRACE_S
-        try:
-            while True:
-                kind, what = steps.throw(error) if error is not None else steps.send(answer)
-                answer = error = None
-                try:
-                    if kind == "shards":
-                        answer = await self._lookup_async()
-                    elif kind == "get":
-                        # Bounded as in ``fetch``: under load Ray has been seen (about one read in
-                        # 3,000, several ranks of one process reading one entry) never to answer one.
-                        answer = await _read_within(what, bound)
-                    elif kind == "gather":
-                        waits = (_read_within(refs, bound) for refs in what)
-                        answer = await asyncio.gather(*waits, return_exceptions=True)
-                    else:
-                        await self._report_lost_async(what)
-                except TimeoutError:
-                    error = NotReady(f"fetching req_id {req_id} timed out", req_id)
-                except Exception as exc:  # noqa: BLE001 - handed to the rules, which decide
-                    error = exc
-        except StopIteration as done:
-            return done.value
-        except Exception as exc:  # noqa: BLE001
-            raise _translate(exc, req_id) from None
-
-    def acknowledge(self, req_id: str, timeout_s: float = 0.0) -> bool:
-        """Count this rank as a receiver of ``req_id`` without reading its bytes.
-
-        For a rank that already holds the items (its own cache hit): the entry is
-        released after its last rank as if this one had fetched, instead of waiting
-        for its ttl. Same rules and errors as ``fetch`` (``timeout_s`` waits while
-        pending). Returns True if this released the entry.
-        """
-        try:
-            call = self._handle(req_id).acknowledge.remote(req_id, self.rank, timeout_s)
-            return ray.get(call, timeout=timeout_s + _CALL_GRACE_S)["released"]
-        except Exception as exc:  # noqa: BLE001
-            raise _translate(exc, req_id) from None
-
-    def acknowledge_many(self, req_ids: list[str], timeout_s: float = 0.0) -> dict[str, bool | RegistryError]:
-        """``acknowledge`` of each req_id, with one registry call per shard involved.
-
-        Returns ``{req_id: released}`` in the order given, where one request's failure is its
-        ``RegistryError`` in its place; only a failure of the whole call raises.
-        """
-        order = list(dict.fromkeys(req_ids))
-        try:
-            shards = self._lookup()
-            groups = shards.group(order)
-            calls = [shards.handles[i].acknowledge_many.remote(ids, self.rank, timeout_s) for i, ids in groups.items()]
-            answers = [_get_or_error(call, timeout_s + _CALL_GRACE_S) for call in calls]
-        except Exception as exc:  # noqa: BLE001
-            raise _translate(exc, None) from None
-        out: dict[str, Any] = {}
-        for ids, answer in zip(groups.values(), answers, strict=True):
-            for req_id in ids:
-                result = answer[req_id] if isinstance(answer, dict) else _translate(answer, req_id)
-                out[req_id] = result if isinstance(result, BaseException) else result["released"]
-        return {req_id: out[req_id] for req_id in order}
-
-    def _report_lost(self, req_id: str) -> None:
+    async def _report_lost(self, req_id: str) -> None:
         """Tell the registry this request's objects are gone, so it ends the entry and the
         other ranks are told at once (it checks before believing it). Best effort: the
         caller raises the loss either way."""
         try:
-            ray.get(self._handle(req_id).report_lost.remote(req_id), timeout=_CALL_GRACE_S)
+            shards = await self._shards_now()
+            await asyncio.wait_for(shards.of(req_id).report_lost.remote(req_id), _CALL_GRACE_S)
         except Exception:  # noqa: BLE001 - e.g. the registry itself restarted: nothing to tell
             pass
 
-    async def _report_lost_async(self, req_id: str) -> None:
-        """``_report_lost``, awaited."""
-        try:
-            shards = await self._lookup_async()
-            await asyncio.wait_for(shards.of(req_id).report_lost.remote(req_id), _CALL_GRACE_S)
-        except Exception:  # noqa: BLE001 - as in _report_lost
-            pass
+
+# The blocking calls' event loop: one per process, on a daemon thread, started on first use
+# (and again in a forked child, which inherits the loop but not its thread).
+_LOOP: tuple[int, asyncio.AbstractEventLoop] | None = None
+_LOOP_LOCK = threading.Lock()
+
+
+def _blocking(coro: Coroutine[Any, Any, Any]) -> Any:
+    """Run ``coro`` on the receiver loop and wait for its outcome; if the wait is interrupted
+    (KeyboardInterrupt), the call is cancelled rather than left running."""
+    global _LOOP
+    with _LOOP_LOCK:
+        if _LOOP is None or _LOOP[0] != os.getpid():
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="epd-receiver-loop", daemon=True).start()
+            _LOOP = (os.getpid(), loop)
+        loop = _LOOP[1]
+    future = asyncio.run_coroutine_threadsafe(coro, loop)
+    try:
+        return future.result()
+    except BaseException:
+        future.cancel()
+        raise

@@ -32,9 +32,10 @@ from typing import Any
 
 import zmq
 
+from registry.checks import check_rank, check_seconds
 from registry.errors import ERRORS_BY_CODE, InvalidRequest, NotReady, RegistryError, Unavailable
 from registry.client.received_item import ReceivedItem, item_from_buffer
-from registry.settings import MAX_WAIT_S, api_token_from_env
+from registry.settings import api_token_from_env
 
 # How long a registered push may go without a message arriving before it is registered again.
 _ARRIVAL_S = 5.0
@@ -70,9 +71,7 @@ class ZmqEmbeddingReceiver:
         advertise: str | None = None,
         api_token: str | None = None,
     ):
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-            raise ValueError(f"rank must be an integer >= 0, got {rank!r}")
-        self.rank = rank
+        self.rank = check_rank(rank)
         self._url = url.rstrip("/")
         parts = urllib.parse.urlsplit(self._url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -97,8 +96,7 @@ class ZmqEmbeddingReceiver:
     def fetch(self, req_id: str, timeout_s: float = 30.0) -> list[ReceivedItem]:
         """This rank's items of ``req_id``, in order, once staged (waits up to ``timeout_s``);
         counted as this rank's fetch once they arrived."""
-        if not 0 <= timeout_s <= MAX_WAIT_S:
-            raise InvalidRequest(f"timeout_s must be between 0 and {MAX_WAIT_S:.0f}, got {timeout_s!r}", req_id)
+        check_seconds(timeout_s, lambda message: InvalidRequest(message, req_id))
         deadline = time.monotonic() + timeout_s
         while True:
             remaining = max(0.0, deadline - time.monotonic())

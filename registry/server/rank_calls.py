@@ -14,7 +14,6 @@ the restart bookkeeping) and its helpers (``_changed_now``, ``_wait_change``,
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from typing import Any
 
@@ -22,7 +21,7 @@ import ray
 
 from registry.errors import InvalidRequest, NotReady, RegistryError, Unavailable, staged_lost
 from registry.logs import get_logger
-from registry.settings import MAX_WAIT_S
+from registry.checks import check_seconds
 from registry.server.state import LIVE_STATES, OPEN, STAGED, FetchResult, StagedItem, ended_error
 
 logger = get_logger("registry.server.actor")  # the actor's own lines: one logger for the whole registry
@@ -40,9 +39,8 @@ _LOSS_CHECK_TIMEOUT_S = 10.0
 
 
 def check_wait(value: float, name: str, req_id: str | None) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_WAIT_S or math.isnan(value):
-        raise InvalidRequest(f"{name} must be a number of seconds between 0 and {MAX_WAIT_S:.0f}, got {value!r}", req_id)
-    return float(value)
+    """A caller's wait, refused with ``invalid_request`` about ``req_id``."""
+    return check_seconds(value, lambda message: InvalidRequest(message, req_id), name)
 
 
 def _checked_ids(req_ids: Any, name: str) -> Any:

@@ -82,6 +82,7 @@ from registry.server.entries import (  # noqa: F401 - re-exported: the lifecycle
     StagedItem,
     ended_error,
 )
+from registry.checks import check_rank
 from registry.errors import (
     Conflict,
     InvalidRank,
@@ -250,8 +251,7 @@ class RegistryState:
 
         ``count=False`` checks and returns the same without recording the rank: for a
         push that counts only once its receiver acknowledges (then ``fetch`` again)."""
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-            raise InvalidRank(f"rank must be an integer >= 0, got {rank!r}", req_id)
+        check_rank(rank, lambda message: InvalidRank(message, req_id))
         entry = self._find(req_id, now)
         if entry is None:
             return None

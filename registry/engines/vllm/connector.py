@@ -68,7 +68,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -80,11 +79,12 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorWorkerMetadata,
 )
 
+from registry.checks import check_rank, check_seconds
 from registry.engines.vllm.scheduler_view import EngineView
 from registry.engines.vllm.finder import RegistryFinder
 from registry.engines.vllm.metrics import RegistryECPromMetrics, RegistryECStats
 from registry.engines.vllm.worker import WorkerSide
-from registry.settings import MAX_WAIT_S, registry_address
+from registry.settings import registry_address
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -121,12 +121,9 @@ class ConnectorSettings:
             logger.warning("ec_connector_extra_config keys %s are not RayRegistryECConnector's; ignored", sorted(extra))
         if not isinstance(settings.local_fallback, bool):
             raise ValueError(f"ec_connector_extra_config.local_fallback must be true or false, got {settings.local_fallback!r}")
-        if isinstance(settings.tp_rank, bool) or not isinstance(settings.tp_rank, int) or settings.tp_rank < 0:
-            raise ValueError(f"ec_connector_extra_config.tp_rank must be an integer >= 0, got {settings.tp_rank!r}")
+        check_rank(settings.tp_rank, ValueError, "ec_connector_extra_config.tp_rank")
         for key in ("fetch_timeout_s", "watch_timeout_s"):
-            value = getattr(settings, key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_WAIT_S or math.isnan(value):
-                raise ValueError(f"ec_connector_extra_config.{key} must be seconds in (0, {MAX_WAIT_S:.0f}], got {value!r}")
+            check_seconds(getattr(settings, key), ValueError, f"ec_connector_extra_config.{key}", allow_zero=False)
         return settings
 
 
