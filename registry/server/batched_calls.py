@@ -125,7 +125,7 @@ class EncoderCalls:
                         raise  # the replica died: the call's failure, retried below
                     except Exception as exc:  # noqa: BLE001 - this item's own failure
                         value = _bare(exc)
-                    _settle(items[answered], ref, value)
+                    _resolve(items[answered], ref, value)
                     answered += 1
                 if answered < len(items):
                     raise RuntimeError(f"the encoder answered {answered} of {len(items)} items")
@@ -148,7 +148,7 @@ class EncoderCalls:
                     items = rest
                     continue
                 for item in rest:
-                    _settle(item, None, error)
+                    _resolve(item, None, error)
                 return
 
     async def _request(self, items: list[_Item]) -> Any:
@@ -179,7 +179,7 @@ def _bare(exc: BaseException) -> BaseException:
     return error
 
 
-def _settle(item: _Item, ref: ray.ObjectRef | None, value: Any) -> None:
+def _resolve(item: _Item, ref: ray.ObjectRef | None, value: Any) -> None:
     if item.answer.done():  # its waiters went away meanwhile: the result is dropped here
         return
     if isinstance(value, BaseException):
