@@ -7,18 +7,23 @@ embeddings. It adds to the state machine only what needs a process:
   owned by this actor (a handle call's result ref belongs to the caller) and the
   staged bytes outlive the replica that computed them;
 * waiting (fetch before staging, ``wait`` on encode and describe) is an
-  ``asyncio.Event`` per ``req_id`` set on every change, never a polling loop;
+  ``asyncio.Event`` per waiting call and ``req_id``, set on every change
+  (``registry.server.changes.Changes``), never a polling loop;
 * one timer task sleeps until the next deadline and expires entries.
 
 It never blocks its event loop: everything is ``await``ed, and the one blocking
 Serve call (building the handle) runs in a thread.
+
+The decoder ranks' calls (fetch, peek, acknowledge, claim, endpoints, refuse, states,
+watch, report_lost) are methods here, as Ray needs them, that hand over to
+``registry.server.rank_calls.RankCalls``, which gets the same table, metrics, ``Changes``
+and ``CallErrors`` (the shard check, the one place errors are counted and logged).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
-import logging
 import dataclasses
 import os
 import time
@@ -27,13 +32,14 @@ from typing import Any
 
 import ray
 
-from registry.errors import InvalidRequest, Overloaded, RegistryError, Unavailable
+from registry.errors import InvalidRequest, RegistryError, Unavailable
 from registry.server.inputs import MediaInput
-from registry.logs import RateLimited, configure_actor_logging, error_fields, get_logger, log_error
+from registry.logs import configure_actor_logging, get_logger
+from registry.server.call_errors import CallErrors
+from registry.server.changes import Changes, check_wait, wait_up_to
 from registry.server.metrics import RegistryMetrics
-from registry.server.rank_calls import RankCalls, check_wait
+from registry.server.rank_calls import RankCalls
 from registry.settings import RegistrySettings
-from registry.routing import shard_of
 from registry.supervision import supervised
 from registry.server.state import (
     LIVE_STATES,
@@ -72,24 +78,24 @@ def _answer(entry: Entry) -> dict[str, Any]:
     raise entry.error.fresh() if entry.error is not None else ended_error(entry)
 
 
-class EmbeddingRegistry(RankCalls):
+class EmbeddingRegistry:
     """Actor class; create it with ``get_or_create_registry``. The calls of decoder ranks
-    (fetch, acknowledge, states, watch, report_lost) are ``registry.server.rank_calls``'."""
+    (fetch, acknowledge, states, watch, report_lost, ...) are answered by ``self._ranks``."""
 
     def __init__(self, settings: RegistrySettings):
         configure_actor_logging()
-        self._overload_log = RateLimited(logger)
         self._settings = settings
         self._state = RegistryState(_effective_limits(settings))
         self._metrics = RegistryMetrics(settings.name, settings.shard)
-        self._changed: dict[str, asyncio.Event] = {}
-        self._waiting: _Count[str] = _Count()
+        # Given once: the shard and the shard count never change (``configure`` keeps them).
+        self._errors = CallErrors(
+            settings.name, settings.shard, settings.registry_shards, self._metrics, self._ensure_background_tasks
+        )
+        self._changes = Changes(self._on_change)
         self._submitters: _Count[str] = _Count()  # submit calls waiting, per req_id
         # submit and submit_many calls, and the requests they carried (stats and metrics).
         self._submits = {"submit_calls_total": 0, "submitted_requests_total": 0}
-        self._watchers: dict[str, set[asyncio.Event]] = {}  # req_id -> the watch calls naming it
         self._encode_tasks: dict[str, asyncio.Task] = {}
-        self._pushes: dict[tuple[str, int], float] = {}  # (req_id, rank) pushed -> when, until acknowledged
         self._timer_wake = asyncio.Event()
         self._timer: asyncio.Task | None = None
         self._publisher: asyncio.Task | None = None
@@ -104,7 +110,11 @@ class EmbeddingRegistry(RankCalls):
         # After a crash Ray re-runs this constructor: the table and every object it owned are
         # gone. Requests staged before cannot be told from ones not sent yet, so for a while
         # a fetch of an unknown req_id waits only briefly, then says the entry was lost.
-        self._restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        self._ranks = RankCalls(
+            self._state, self._metrics, self._changes, self._errors, ensure_running=self._ensure_background_tasks,
+            started_at=self._started_at, restarted=ray.get_runtime_context().was_current_actor_reconstructed,
+            restart_grace_s=settings.restart_grace_s,
+        )
 
     # --- control ------------------------------------------------------------------
 
@@ -115,7 +125,7 @@ class EmbeddingRegistry(RankCalls):
         are treated as after a restart (lost, told fast).
         """
         if after_loss:
-            self._restarted = True
+            self._ranks.restarted = True
         # Which req_ids this shard holds is fixed at creation (``registry.server.create`` warns).
         settings = dataclasses.replace(settings, registry_shards=self._settings.registry_shards, shard=self._settings.shard)
         if settings.registry_max_concurrency != self._settings.registry_max_concurrency:
@@ -127,6 +137,7 @@ class EmbeddingRegistry(RankCalls):
             settings = dataclasses.replace(settings, registry_max_concurrency=self._settings.registry_max_concurrency)
         self._encoder.reconfigure(settings)
         self._settings = settings
+        self._ranks.restart_grace_s = settings.restart_grace_s
         self._state.limits = await asyncio.to_thread(_effective_limits, settings)
         self._timer_wake.set()
 
@@ -143,7 +154,7 @@ class EmbeddingRegistry(RankCalls):
     async def stats(self) -> dict[str, int]:
         stats = self._state.stats(time.time())
         stats["max_staged_bytes"] = self._state.limits.max_staged_bytes
-        stats["waiting_calls"] = sum(self._waiting.values())
+        stats["waiting_calls"] = self._changes.waiting_calls
         stats["encodes_in_flight"] = len(self._encode_tasks)
         return {**stats, **self._submits, **self._encoder.stats()}
 
@@ -162,7 +173,7 @@ class EmbeddingRegistry(RankCalls):
         self._submitters[req_id] += 1
         try:
             while wait and entry.state == PENDING:
-                await self._wait_change(req_id, None)
+                await self._changes.wait(req_id, None)
         except asyncio.CancelledError:
             # The caller went away (client disconnected or timed out; the ingress cancels this
             # call). If no other caller waits for this request, nobody will use its result:
@@ -170,7 +181,7 @@ class EmbeddingRegistry(RankCalls):
             if self._submitters[req_id] == 1 and entry.state == PENDING:  # pending: still the live one
                 self._state.cancel(req_id, time.time())
                 logger.info("req_id=%s cancelled: its client went away before it was staged", req_id)
-                self._changed_now(req_id)
+                self._changes.changed(req_id)
             raise
         finally:
             self._submitters[req_id] -= 1
@@ -191,7 +202,7 @@ class EmbeddingRegistry(RankCalls):
             try:
                 if not isinstance(request, (list, tuple)) or len(request) != 4:
                     error = InvalidRequest("each request is (req_id, items, digest, receive_count)")
-                    self._count_error(error)
+                    self._errors.count(error)
                     raise error
                 out.append(_answer(self._accept(*request)))
             except RegistryError as exc:
@@ -205,16 +216,16 @@ class EmbeddingRegistry(RankCalls):
     def _accept(self, req_id: str, items: list[MediaInput], digest: str, receive_count: int | None) -> Entry:
         """The entry for this request: created (its encode started) or the live one joined."""
         self._ensure_background_tasks()
-        self._check_owned(req_id)
+        self._errors.check_owned(req_id)
         if not isinstance(items, list) or not all(isinstance(item, MediaInput) for item in items):
             error = InvalidRequest("submit takes a list of MediaInput; build each with registry.media_input(data)", req_id)
-            self._count_error(error)
+            self._errors.count(error)
             raise error
         count = self._settings.default_receive_count if receive_count is None else receive_count
         try:
             entry, created = self._state.accept(req_id, digest, count, time.time())
         except RegistryError as exc:
-            self._count_error(exc)
+            self._errors.count(exc)
             self._metrics.encode_requests.inc(tags={"result": "rejected"})
             raise
         self._metrics.encode_requests.inc(tags={"result": "accepted" if created else "duplicate"})
@@ -227,19 +238,19 @@ class EmbeddingRegistry(RankCalls):
             self._encode_tasks[req_id] = asyncio.create_task(
                 self._run_encode(entry, items), context=contextvars.Context()
             )
-            self._changed_now(req_id)
+            self._changes.changed(req_id)
         return entry
 
     async def describe(self, req_id: str, wait_s: float = 0.0) -> dict[str, Any]:
         """The entry's description; with ``wait_s`` wait up to that long while it is pending."""
-        self._check_owned(req_id)
+        self._errors.check_owned(req_id)
         deadline = time.monotonic() + check_wait(wait_s, "wait_s", req_id)
         while (remaining := deadline - time.monotonic()) > 0 and not self._decided(req_id):
-            await self._wait_change(req_id, remaining)
+            await self._changes.wait(req_id, remaining)
         try:
             return self._state.get(req_id, time.time()).describe()  # unknown_request if never seen
         except RegistryError as exc:
-            self._count_error(exc)
+            self._errors.count(exc)
             raise
 
     async def list_requests(self, state: str | None, after: str | None, limit: int) -> dict[str, Any]:
@@ -261,17 +272,52 @@ class EmbeddingRegistry(RankCalls):
 
     async def cancel(self, req_id: str) -> dict[str, Any]:
         """Cancel a pending or staged entry; an ended one is described unchanged."""
-        self._check_owned(req_id)
+        self._errors.check_owned(req_id)
         live = self._state.is_live(req_id)
         try:
             entry = self._state.cancel(req_id, time.time())
         except RegistryError as exc:
-            self._count_error(exc)
+            self._errors.count(exc)
             raise
         if live:
             logger.info("req_id=%s cancelled by its client", req_id)
-        self._changed_now(req_id)
+        self._changes.changed(req_id)
         return entry.describe()
+
+    # --- decoder ranks: ``RankCalls`` answers (its docstrings say how) ---------------
+
+    async def fetch(self, req_id: str, rank: int, timeout_s: float, transport: str = "ray") -> list[tuple[dict[str, Any], Any]]:
+        return await self._ranks.fetch(req_id, rank, timeout_s, transport)
+
+    async def peek(self, req_id: str, rank: int, timeout_s: float) -> list[tuple[dict[str, Any], Any]]:
+        return await self._ranks.peek(req_id, rank, timeout_s)
+
+    async def fetch_many(self, req_ids: list[str], rank: int, timeout_s: float) -> dict[str, Any]:
+        return await self._ranks.fetch_many(req_ids, rank, timeout_s)
+
+    async def acknowledge(self, req_id: str, rank: int, timeout_s: float = 0.0, transport: str = "ray") -> dict[str, Any]:
+        return await self._ranks.acknowledge(req_id, rank, timeout_s, transport)
+
+    async def acknowledge_many(self, req_ids: list[str], rank: int, timeout_s: float = 0.0) -> dict[str, Any]:
+        return await self._ranks.acknowledge_many(req_ids, rank, timeout_s)
+
+    async def claim(self, req_id: str, endpoint: str, receive_count: int, wait_s: float) -> dict[str, Any]:
+        return await self._ranks.claim(req_id, endpoint, receive_count, wait_s)
+
+    async def endpoints(self, req_id: str, wait_s: float) -> dict[str, Any]:
+        return await self._ranks.endpoints(req_id, wait_s)
+
+    async def refuse(self, req_id: str, error: RegistryError) -> bool:
+        return await self._ranks.refuse(req_id, error)
+
+    async def states(self, req_ids: list[str]) -> dict[str, str]:
+        return await self._ranks.states(req_ids)
+
+    async def watch(self, known: dict[str, str | None], timeout_s: float) -> dict[str, str]:
+        return await self._ranks.watch(known, timeout_s)
+
+    async def report_lost(self, req_id: str) -> bool:
+        return await self._ranks.report_lost(req_id)
 
     # --- encoding -----------------------------------------------------------------
 
@@ -294,47 +340,28 @@ class EmbeddingRegistry(RankCalls):
                 f"the encoder deployment cannot be reached: {first}", req_id
             )
         finally:
-            # Done before the state changes below, so _changed_now never cancels this task.
+            # Done before the state changes below, so _on_change never cancels this task.
             if self._encode_tasks.get(req_id) is asyncio.current_task():
                 del self._encode_tasks[req_id]
         if error is not None:
             if self._state.fail(entry, error, time.time()):
-                self._count_error(error)
+                self._errors.count(error)
         elif self._state.stage(entry, staged, time.time()):
             self._metrics.encode_latency.observe(time.time() - entry.created_at)
             logger.debug("req_id=%s staged: %d bytes", req_id, entry.nbytes)
         else:
             self._metrics.late_results.inc()  # the refs in `staged` are dropped right here
-        self._changed_now(req_id)
+        self._changes.changed(req_id)
 
     # --- waiting and time ---------------------------------------------------------
 
-    def _changed_now(self, req_id: str) -> None:
-        """Something about ``req_id`` changed: wake its waiters, the timer, the gauges."""
-        event = self._changed.pop(req_id, None)
-        if event is not None:
-            event.set()
-        for wake in self._watchers.get(req_id, ()):
-            wake.set()
+    def _on_change(self, req_id: str) -> None:
+        """Something about ``req_id`` changed (its waiters are woken): its encode, the timer, the gauges."""
         encode_task = self._encode_tasks.get(req_id)
         if encode_task is not None and not self._state.is_live(req_id):
             encode_task.cancel()  # cancelled or expired while encoding: stop the model work
         self._timer_wake.set()
         self._metrics_stale = True
-
-    async def _wait_change(self, req_id: str, timeout: float | None) -> None:
-        event = self._changed.setdefault(req_id, asyncio.Event())
-        self._waiting[req_id] += 1
-        try:
-            await asyncio.wait_for(event.wait(), timeout)
-        except TimeoutError:
-            pass
-        finally:
-            self._waiting[req_id] -= 1
-            if not self._waiting[req_id]:
-                del self._waiting[req_id]
-                if self._changed.get(req_id) is event:
-                    del self._changed[req_id]
 
     def _ensure_background_tasks(self) -> None:
         if self._timer is None or self._timer.done():
@@ -355,15 +382,11 @@ class EmbeddingRegistry(RankCalls):
     async def _expire_loop(self) -> None:
         while True:
             deadline = self._state.next_deadline()
-            timeout = None if deadline is None else max(0.0, deadline - time.time())
-            try:
-                await asyncio.wait_for(self._timer_wake.wait(), timeout)
-            except TimeoutError:
-                pass
+            await wait_up_to(self._timer_wake, None if deadline is None else max(0.0, deadline - time.time()))
             self._timer_wake.clear()
             for entry in self._state.expire_due(time.time()):
                 self._log_expiry(entry)
-                self._changed_now(entry.req_id)
+                self._changes.changed(entry.req_id)
                 self._timer_wake.clear()
 
     def _log_expiry(self, entry: Entry) -> None:
@@ -373,28 +396,3 @@ class EmbeddingRegistry(RankCalls):
             missing = [rank for rank in range(entry.receive_count) if rank not in entry.received]
             logger.warning("req_id=%s expired staged: ranks %s fetched it, ranks %s did not within ttl_s",
                            entry.req_id, sorted(entry.received), missing)
-
-    def _check_owned(self, *req_ids: str) -> None:
-        """A req_id sent to a shard that does not hold it is a client's routing bug: refused,
-        so it can never create an entry no rank would find."""
-        settings = self._settings
-        if settings.registry_shards == 1:
-            return
-        for req_id in req_ids:
-            if isinstance(req_id, str) and (owner := shard_of(req_id, settings.registry_shards)) != settings.shard:
-                error = InvalidRequest(
-                    f"req_id {req_id} belongs to shard {owner} of the registry {settings.name!r}, not {settings.shard}; "
-                    "find its shard with registry.lookup_shards().of(req_id)",
-                    req_id,
-                )
-                self._count_error(error)
-                raise error
-
-    def _count_error(self, error: RegistryError) -> None:
-        """Count ``error`` and log it: the one line about it, with its req_id, code and cause."""
-        self._ensure_background_tasks()
-        self._metrics.errors.inc(tags={"code": error.code})
-        if isinstance(error, Overloaded):  # a flood of them must not flood the log
-            self._overload_log.log(logging.WARNING, "overloaded", "request refused: %s", error_fields(error))
-        else:
-            log_error(logger, error)

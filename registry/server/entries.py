@@ -1,12 +1,15 @@
 """The registry's records: an entry (its states and limits are named in ``registry.states``
-and ``registry.settings``), the entry itself and its staged
-items, and the error a caller gets for an entry that ended. ``registry.server.state`` holds the
-rules that move entries between states (and re-exports these names).
+and ``registry.settings``), the entry itself and its staged items, the tombstones of the
+entries that ended, and the error a caller gets for an entry that ended.
+``registry.server.state`` holds the rules that move entries between states (and re-exports
+these names).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
+from collections.abc import Callable, ValuesView
 from typing import Any
 
 from registry.errors import AlreadyReleased, Cancelled, EncodeFailed, Expired, RegistryError, Unavailable
@@ -96,3 +99,41 @@ def ended_error(entry: Entry) -> RegistryError:
         req_id,
         {"cause": {"code": cause.code, "message": cause.message} if cause else None},
     )
+
+
+class Tombstones:
+    """Ended entries, kept without their refs so a late caller learns what happened:
+    oldest end first, bounded by age (``tombstone_ttl_s``) and number (``max_tombstones``).
+
+    Pruned whenever they are read or added to, under the limits ``limits()`` gives then
+    (the registry's limits may change while it runs).
+    """
+
+    def __init__(self, limits: Callable[[], Limits]):
+        self._limits = limits
+        self._ended: OrderedDict[str, Entry] = OrderedDict()
+
+    def get(self, req_id: str, now: float) -> Entry | None:
+        self.prune(now)
+        return self._ended.get(req_id)
+
+    def add(self, entry: Entry, now: float) -> None:
+        self._ended[entry.req_id] = entry
+        self.prune(now)
+
+    def forget(self, req_id: str) -> None:
+        del self._ended[req_id]
+
+    def values(self, now: float) -> ValuesView[Entry]:
+        self.prune(now)
+        return self._ended.values()
+
+    def prune(self, now: float) -> None:
+        limits = self._limits()
+        horizon = now - limits.tombstone_ttl_s
+        ended = self._ended
+        while ended and (len(ended) > limits.max_tombstones or next(iter(ended.values())).ended_at <= horizon):
+            ended.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._ended)

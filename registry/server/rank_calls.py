@@ -3,26 +3,31 @@
 SGLang's run), the batched ``states`` query and the ``watch`` long poll, and
 ``report_lost``.
 
-``RankCalls`` is a base class of ``registry.server.actor.EmbeddingRegistry``, kept apart
-because these calls are the decoder's side of the lifecycle: they count ranks and
-release entries, where the rest of the actor accepts, encodes and expires them. It
-uses the actor's state (``_state``, ``_settings``, ``_metrics``, ``_watchers``, ``_pushes``,
-the restart bookkeeping) and its helpers (``_changed_now``, ``_wait_change``,
-``_count_error``, ``_check_owned``, ``_ensure_background_tasks``).
+``RankCalls`` answers them for ``registry.server.actor.EmbeddingRegistry``, whose methods
+of the same names hand over to it. They are kept apart because they are the decoder's
+side of the lifecycle: they count ranks and release entries, where the rest of the
+actor accepts, encodes and expires them. ``RankCalls`` is given the actor's
+``RegistryState``, its metrics, its ``Changes`` (waiting and waking) and its
+``CallErrors`` (the shard check and error count every call shares), and owns what only
+the ranks use: the pushes awaiting acknowledgement, and the restart facts that tell a
+req_id lost in a crash from one not sent yet.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
 
 from registry.errors import InvalidRequest, NotReady, RegistryError, Unavailable, staged_lost
 from registry.logs import get_logger
-from registry.checks import check_seconds
-from registry.server.state import LIVE_STATES, OPEN, STAGED, FetchResult, StagedItem, ended_error
+from registry.server.call_errors import CallErrors
+from registry.server.changes import Changes, check_wait, wait_up_to
+from registry.server.metrics import RegistryMetrics
+from registry.server.state import LIVE_STATES, OPEN, STAGED, FetchResult, RegistryState, StagedItem, ended_error
 
 logger = get_logger("registry.server.actor")  # the actor's own lines: one logger for the whole registry
 
@@ -38,18 +43,12 @@ _MAX_PUSHES_HELD = 10_000
 _LOSS_CHECK_TIMEOUT_S = 10.0
 
 
-def check_wait(value: float, name: str, req_id: str | None) -> float:
-    """A caller's wait, refused with ``invalid_request`` about ``req_id``."""
-    return check_seconds(value, lambda message: InvalidRequest(message, req_id), name)
-
-
 def _checked_ids(req_ids: Any, name: str) -> Any:
     if not isinstance(req_ids, (list, dict)) or len(req_ids) > MAX_IDS_PER_CALL or not all(
         isinstance(req_id, str) for req_id in req_ids
     ):
         raise InvalidRequest(f"{name} must be a list (or dict) of at most {MAX_IDS_PER_CALL} req_id strings", None)
     return req_ids
-
 
 
 def _checked_transport(transport: Any, req_id: str | None) -> str:
@@ -77,6 +76,37 @@ async def _any_lost(items: list[StagedItem]) -> bool:
 
 
 class RankCalls:
+    """The decoder ranks' calls on one registry.
+
+    ``ensure_running()`` starts the actor's background tasks (its publisher hands the
+    fetch metrics counted here to Ray). ``started_at`` and ``restarted`` say when this
+    registry started and whether it replaces one whose entries were lost (Ray re-created
+    it after a crash); the actor's ``configure`` sets ``restarted`` (``after_loss``) and
+    ``restart_grace_s``.
+    """
+
+    def __init__(
+        self,
+        state: RegistryState,
+        metrics: RegistryMetrics,
+        changes: Changes,
+        errors: CallErrors,
+        *,
+        ensure_running: Callable[[], None],
+        started_at: float,
+        restarted: bool,
+        restart_grace_s: float,
+    ):
+        self._state = state
+        self._metrics = metrics
+        self._changes = changes
+        self._errors = errors
+        self._ensure_running = ensure_running
+        self._started_at = started_at
+        self.restarted = restarted
+        self.restart_grace_s = restart_grace_s
+        self._pushes: dict[tuple[str, int], float] = {}  # (req_id, rank) pushed -> when, until acknowledged
+
     async def fetch(
         self, req_id: str, rank: int, timeout_s: float, transport: str = "ray"
     ) -> list[tuple[dict[str, Any], ray.ObjectRef]]:
@@ -119,7 +149,7 @@ class RankCalls:
 
     async def _each(self, req_ids: list[str], timeout_s: float, call: Any) -> dict[str, Any]:
         """``call`` for each distinct req_id, concurrently: req_id -> its answer or RegistryError."""
-        self._check_owned(*_checked_ids(req_ids, "req_ids"))
+        self._errors.check_owned(*_checked_ids(req_ids, "req_ids"))
         check_wait(timeout_s, "timeout_s", None)
         unique = list(dict.fromkeys(req_ids))
         results = await asyncio.gather(*(call(req_id) for req_id in unique), return_exceptions=True)
@@ -148,7 +178,7 @@ class RankCalls:
         ``req_id`` is unknown (a rank may register before its encode arrives); an ended
         entry's error is raised at once. Returns ``{"req_id", "rank", "receive_count"}``.
         """
-        self._check_owned(req_id)
+        self._errors.check_owned(req_id)
         if not isinstance(endpoint, str) or not endpoint:
             raise InvalidRequest(f"endpoint must be a non-empty string, got {endpoint!r}", req_id)
         deadline = time.monotonic() + check_wait(wait_s, "wait_s", req_id)
@@ -156,17 +186,17 @@ class RankCalls:
             try:
                 rank = self._state.claim(req_id, endpoint, receive_count, time.time())
             except RegistryError as exc:
-                self._count_error(exc)
+                self._errors.count(exc)
                 raise
             if rank is not None:
-                self._changed_now(req_id)  # the encode waiting for its ranks' endpoints
+                self._changes.changed(req_id)  # the encode waiting for its ranks' endpoints
                 return {"req_id": req_id, "rank": rank, "receive_count": receive_count}
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 error = NotReady(f"req_id {req_id} did not reach the encoder within {wait_s}s of its rank registering", req_id)
-                self._count_error(error)
+                self._errors.count(error)
                 raise error
-            await self._wait_change(req_id, remaining)
+            await self._changes.wait(req_id, remaining)
 
     async def endpoints(self, req_id: str, wait_s: float) -> dict[str, Any]:
         """Wait up to ``wait_s`` until ``req_id`` can be delivered to ranks known by endpoint
@@ -175,13 +205,13 @@ class RankCalls:
         (meta, ref) pairs of a deliverable entry, as ``peek`` gives them (no rank counted);
         ``error`` what an ended entry's ranks are told. ``not_ready`` if it is neither by
         then; ``unknown_request`` if ``req_id`` is not known."""
-        self._check_owned(req_id)
+        self._errors.check_owned(req_id)
         deadline = time.monotonic() + check_wait(wait_s, "wait_s", req_id)
         while True:
             try:
                 entry = self._state.get(req_id, time.time())
             except RegistryError as exc:
-                self._count_error(exc)
+                self._errors.count(exc)
                 raise
             claimed = entry.receive_count != OPEN and len(entry.endpoints) == entry.receive_count
             if (claimed and entry.state == STAGED) or entry.state not in LIVE_STATES:
@@ -196,25 +226,25 @@ class RankCalls:
                     f"{entry.receive_count or 'unknown number of'} ranks registered after {wait_s}s",
                     req_id,
                 )
-                self._count_error(error)
+                self._errors.count(error)
                 raise error
-            await self._wait_change(req_id, remaining)
+            await self._changes.wait(req_id, remaining)
 
     async def refuse(self, req_id: str, error: RegistryError) -> bool:
         """Record that ``req_id`` was refused before the registry accepted it (bad media, say),
         so ranks waiting for it get ``error`` instead of waiting out their timeout. False
         when the registry knows ``req_id`` already: its own record stands."""
-        self._check_owned(req_id)
+        self._errors.check_owned(req_id)
         if not isinstance(error, RegistryError):
             raise InvalidRequest("refuse takes the RegistryError the request was refused with", req_id)
         refused = self._state.refuse(req_id, error, time.time())
         if refused:
-            self._changed_now(req_id)
+            self._changes.changed(req_id)
         return refused
 
     async def states(self, req_ids: list[str]) -> dict[str, str]:
         """The state of each req_id (an entry's, a tombstone's, or ``"unknown"``), in one call."""
-        self._check_owned(*_checked_ids(req_ids, "req_ids"))
+        self._errors.check_owned(*_checked_ids(req_ids, "req_ids"))
         now = time.time()
         return {req_id: self._state.state_of(req_id, now) for req_id in req_ids}
 
@@ -224,12 +254,9 @@ class RankCalls:
         after ``timeout_s``. A long poll: a scheduler keeps one in flight to keep a local
         view of many entries current without asking per entry.
         """
-        self._check_owned(*_checked_ids(known, "known"))
+        self._errors.check_owned(*_checked_ids(known, "known"))
         deadline = time.monotonic() + check_wait(timeout_s, "timeout_s", None)
-        wake = asyncio.Event()
-        for req_id in known:
-            self._watchers.setdefault(req_id, set()).add(wake)
-        try:
+        with self._changes.watching(known) as wake:
             while True:
                 now = time.time()
                 changed = {
@@ -239,17 +266,7 @@ class RankCalls:
                 if changed or remaining <= 0:
                     return changed
                 wake.clear()
-                try:
-                    await asyncio.wait_for(wake.wait(), remaining)
-                except TimeoutError:
-                    pass
-        finally:
-            for req_id in known:
-                watchers = self._watchers.get(req_id)
-                if watchers is not None:
-                    watchers.discard(wake)
-                    if not watchers:
-                        del self._watchers[req_id]
+                await wait_up_to(wake, remaining)
 
     async def _receive(
         self, req_id: str, rank: int, timeout_s: float, transport: str, count: bool = True, started: float | None = None
@@ -257,8 +274,8 @@ class RankCalls:
         """Wait until ``req_id`` is staged and count ``rank`` as a receiver (``fetch``,
         ``acknowledge``; ``peek`` with ``count=False``). ``started``: when the fetch began,
         for its latency, if before this call."""
-        self._ensure_background_tasks()  # its counts are published by them
-        self._check_owned(req_id)
+        self._ensure_running()  # its counts are published by the actor's background tasks
+        self._errors.check_owned(req_id)
         now = time.monotonic()
         deadline = now + check_wait(timeout_s, "timeout_s", req_id)
         started = now if started is None else started
@@ -267,7 +284,7 @@ class RankCalls:
                 result = self._state.fetch(req_id, rank, time.time(), count)
             except RegistryError as exc:
                 self._count_fetch(exc.code, transport, started, count)
-                self._count_error(exc)
+                self._errors.count(exc)
                 raise
             if result is not None:
                 self._count_fetch("released" if result.released else "ok", transport, started, count)
@@ -275,7 +292,7 @@ class RankCalls:
                     how = "" if transport == "ray" else f" over {transport}"
                     logger.debug("req_id=%s rank %d received it%s%s", req_id, rank, how, "; released" if result.released else "")
                 if result.released:
-                    self._changed_now(req_id)
+                    self._changes.changed(req_id)
                 return result
             remaining = deadline - time.monotonic()
             lost_by = self._lost_deadline(req_id, now)
@@ -289,10 +306,10 @@ class RankCalls:
             elif remaining <= 0:
                 error = NotReady(f"req_id {req_id} was not staged within {timeout_s}s", req_id)
             else:
-                await self._wait_change(req_id, remaining if lost_by is None else min(remaining, lost_by - time.monotonic()))
+                await self._changes.wait(req_id, remaining if lost_by is None else min(remaining, lost_by - time.monotonic()))
                 continue
             self._count_fetch(error.code, transport, started, count)
-            self._count_error(error)
+            self._errors.count(error)
             raise error
 
     def _count_fetch(self, result: str, transport: str, started: float, counted: bool) -> None:
@@ -308,7 +325,7 @@ class RankCalls:
         ``restart_grace_s`` later, but only after a restart, only for a req_id the registry
         does not know, and only while entries from before the restart could still have
         been alive (their ttl or encode timeout)."""
-        if not self._restarted or self._state.is_live(req_id):
+        if not self.restarted or self._state.is_live(req_id):
             return None
         limits = self._state.limits
         if time.time() > self._started_at + max(limits.ttl_s, limits.encode_timeout_s):
@@ -318,7 +335,7 @@ class RankCalls:
             return None  # it ended after the restart: the tombstone answers
         except RegistryError:
             pass
-        return fetch_started + self._settings.restart_grace_s
+        return fetch_started + self.restart_grace_s
 
     async def report_lost(self, req_id: str) -> bool:
         """A rank could not read ``req_id``'s objects: if they are really gone (a node died),
@@ -327,7 +344,7 @@ class RankCalls:
         Checked by reading them here, the owner: a rank's own trouble must not end an
         entry other ranks can still fetch. True if the entry was ended.
         """
-        self._check_owned(req_id)
+        self._errors.check_owned(req_id)
         try:
             entry = self._state.get(req_id, time.time())
         except RegistryError:
@@ -337,6 +354,6 @@ class RankCalls:
         error = staged_lost(req_id)
         if not self._state.lose(req_id, error, time.time()):
             return False
-        self._count_error(error)
-        self._changed_now(req_id)
+        self._errors.count(error)
+        self._changes.changed(req_id)
         return True

@@ -12,8 +12,8 @@ One ``Entry`` per ``req_id``::
 ``released``, ``expired``, ``cancelled`` and ``failed`` are terminal: the entry
 drops its object refs at once and stays only as a *tombstone* (metadata, no refs)
 so a late caller learns what happened instead of waiting. Tombstones are bounded
-by age (``tombstone_ttl_s``) and by number (``max_tombstones``, oldest first).
-Any other transition is a bug and raises ``IllegalTransition``.
+by age (``tombstone_ttl_s``) and by number (``max_tombstones``, oldest first):
+``entries.Tombstones`` keeps them. Any other transition is a bug and raises ``IllegalTransition``.
 
 Rules:
 
@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import OrderedDict
 
 from registry.server.entries import (  # noqa: F401 - re-exported: the lifecycle's names
     CANCELLED,
@@ -80,6 +79,7 @@ from registry.server.entries import (  # noqa: F401 - re-exported: the lifecycle
     FetchResult,
     Limits,
     StagedItem,
+    Tombstones,
     ended_error,
 )
 from registry.checks import check_rank
@@ -108,7 +108,7 @@ class RegistryState:
     def __init__(self, limits: Limits):
         self.limits = limits
         self._live: dict[str, Entry] = {}
-        self._ended: OrderedDict[str, Entry] = OrderedDict()  # oldest end first
+        self._ended = Tombstones(lambda: self.limits)  # the limits as they are at each prune
         self._deadlines: list[tuple[float, int, str]] = []  # heap; stale rows skipped
         self._seq = itertools.count()
         # Kept incrementally so stats are O(1) on every change.
@@ -134,13 +134,12 @@ class RegistryState:
                     req_id,
                 )
             return live, False
-        self._prune(now)
-        ended = self._ended.get(req_id)
+        ended = self._ended.get(req_id, now)
         if ended is not None and ended.state == RELEASED:
             raise ended_error(ended)
         self._admit(req_id)
         if ended is not None:
-            del self._ended[req_id]  # failed/expired/cancelled: a fresh attempt is allowed
+            self._ended.forget(req_id)  # failed/expired/cancelled: a fresh attempt is allowed
         entry = Entry(req_id, digest, receive_count, created_at=now, open_count=receive_count == OPEN)
         self._live[req_id] = entry
         self._live_counts[PENDING] += 1
@@ -220,13 +219,10 @@ class RegistryState:
         """Record that ``req_id`` was refused before it was accepted: a ``failed`` tombstone
         with ``error``, so ranks waiting for it (``claim``, ``fetch``) learn why at once.
         False if the registry knows ``req_id`` already (live or ended): its record stands."""
-        self._prune(now)
-        if req_id in self._live or req_id in self._ended:
+        if req_id in self._live or self._ended.get(req_id, now) is not None:
             return False
-        entry = Entry(req_id, "", OPEN, created_at=now, state=FAILED, error=error.fresh(), ended_at=now)
-        self._ended[req_id] = entry
+        self._ended.add(Entry(req_id, "", OPEN, created_at=now, state=FAILED, error=error.fresh(), ended_at=now), now)
         self.totals[FAILED] += 1
-        self._prune(now)
         return True
 
     def lose(self, req_id: str, error: RegistryError, now: float) -> bool:
@@ -327,7 +323,7 @@ class RegistryState:
             entry = self._live[req_id]
             self._end(entry, EXPIRED, now)
             expired.append(entry)
-        self._prune(now)
+        self._ended.prune(now)
         return expired
 
     # --- views --------------------------------------------------------------------
@@ -343,14 +339,13 @@ class RegistryState:
     def list_entries(self, state: str | None, after: str | None, limit: int, now: float) -> tuple[list[Entry], bool]:
         """Entries and tombstones in ``req_id`` order after ``after``, of ``state`` if given:
         up to ``limit`` of them, and whether more follow (a page of an operator's listing)."""
-        self._prune(now)
-        rows = itertools.chain(self._live.values(), self._ended.values())
+        rows = itertools.chain(self._live.values(), self._ended.values(now))
         chosen = (e for e in rows if (state is None or e.state == state) and (after is None or e.req_id > after))
         page = heapq.nsmallest(limit + 1, chosen, key=lambda entry: entry.req_id)
         return page[:limit], len(page) > limit
 
     def stats(self, now: float) -> dict[str, int]:
-        self._prune(now)
+        self._ended.prune(now)
         return {
             "pending": self._live_counts[PENDING],
             "staged": self._live_counts[STAGED],
@@ -365,10 +360,7 @@ class RegistryState:
     def _find(self, req_id: str, now: float) -> Entry | None:
         """The live entry of ``req_id``, else its tombstone (aged ones pruned first), else None."""
         entry = self._live.get(req_id)
-        if entry is None:
-            self._prune(now)
-            entry = self._ended.get(req_id)
-        return entry
+        return self._ended.get(req_id, now) if entry is None else entry
 
     def _check_count(self, receive_count: object, req_id: str, open_ok: bool = False) -> None:
         limit = self.limits.max_receive_count
@@ -393,16 +385,9 @@ class RegistryState:
         entry.items = None  # the registry's refs go here; readers keep their own
         entry.ended_at = now
         del self._live[entry.req_id]
-        self._ended[entry.req_id] = entry
+        self._ended.add(entry, now)
         self.totals[new_state] += 1
-        self._prune(now)
 
     def _set_deadline(self, entry: Entry, deadline: float) -> None:
         entry.deadline = deadline
         heapq.heappush(self._deadlines, (deadline, next(self._seq), entry.req_id))
-
-    def _prune(self, now: float) -> None:
-        horizon = now - self.limits.tombstone_ttl_s
-        ended = self._ended
-        while ended and (len(ended) > self.limits.max_tombstones or next(iter(ended.values())).ended_at <= horizon):
-            ended.popitem(last=False)
