@@ -8,6 +8,4 @@ from benchmarks.runner import main
 code = main()
 sys.stdout.flush()
 sys.stderr.flush()
-# Everything is written and the cluster is shut down by now; the interpreter's own teardown
-# with torch loaded takes most of a second more (measured 0.7-1.3 s), for nothing.
-os._exit(code)
+os._exit(code)  # all is written and the cluster is down; torch's interpreter teardown takes ~1 s more, for nothing

@@ -1,22 +1,17 @@
-"""The benchmark's own local Ray cluster, and readings taken from it.
+"""The benchmark's own local Ray cluster, and what is read from it: Ray's private stats, the CPU of its processes.
 
-The benchmark never joins a cluster it did not start (``address="local"``, and
-``RAY_ADDRESS`` is ignored), runs in a namespace of its own, names its registry
-actors after a per-run token, and at the end shuts down exactly what it started
-(the pre-faulted node's processes, then ``ray.shutdown()`` of the cluster it
-started). It never runs ``ray stop``, which would kill every Ray process on the
-machine.
-
-Workers import ``benchmarks`` and the project's packages from the repository
-root, which is put on the ``PYTHONPATH`` of this process before Ray starts, so that
-every Ray process inherits it (the checkout need not be installed). Not a job
-``runtime_env``: every worker of a job with one starts through Ray's runtime-env
-agent and a setup step, measured here at 0.4 CPU-s more per worker (about 20 of them).
+It never joins a cluster it did not start (``address="local"``, ``RAY_ADDRESS`` ignored) and
+ends with ``ray.shutdown()`` of the one it started, never ``ray stop`` (which kills every Ray
+process on the machine). The object store's usage and an actor's executed calls have no public
+API: they are read from ``ray._private`` here, so that a Ray upgrade breaks this file only.
+On 2 cores every process competes for the same cores, so CPU per unit of work explains a rate:
+``CpuMeter`` reads ``/proc`` for the driver and every process it started, grouped by role.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 import pathlib
@@ -28,17 +23,12 @@ from typing import Any, Iterator
 
 import ray
 
-from benchmarks.ray_internals import start_node, stop_monitor
-
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Logical CPUs, not the machine's: actors and replicas ask for few or none, and the
 # Encoder replicas ask for 2 so that Ray gives them two intra-op threads (see end_to_end).
 CLUSTER_CPUS = 8
 # Explicit, so that the benchmark never takes 30% of a shared machine's memory.
 OBJECT_STORE_BYTES = 2 * 1024**3
-# The pre-faulted node runs the staging section alone, whose largest burst holds about
-# 150 MB; its raylet faults every byte in at start (a 2 GiB store cost it 4.7 CPU-s).
-PREFAULTED_STORE_BYTES = 512 * 1024**2
 
 
 def free_port() -> int:
@@ -51,35 +41,32 @@ def run_token() -> str:
     return secrets.token_hex(4)
 
 
+def tests_module(name: str) -> Any:
+    """A helper module of ``tests/`` (a side venv's recipe, the engine checkpoints and flags)."""
+    if str(REPO_ROOT / "tests") not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT / "tests"))
+    return importlib.import_module(name)
+
+
 @contextlib.contextmanager
 def local_cluster(namespace: str) -> Iterator[dict[str, Any]]:
-    """Start a fresh local Ray cluster (no Serve yet: ``start_serve``); yield its settings."""
+    """Start a fresh local Ray cluster (no Serve yet: ``start_serve``); yield its settings.
+
+    Workers import the project from the repository root, put on ``PYTHONPATH`` before Ray
+    starts so that every Ray process inherits it; not a job ``runtime_env``, whose workers
+    start through Ray's runtime-env agent (0.4 CPU-s more each, measured here)."""
     os.environ.pop("RAY_ADDRESS", None)
     paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
     if str(REPO_ROOT) not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), *paths]))
-    ray.init(
-        address="local",
-        num_cpus=CLUSTER_CPUS,
-        num_gpus=0,
-        namespace=namespace,
-        object_store_memory=OBJECT_STORE_BYTES,
-        include_dashboard=False,
-        log_to_driver=False,  # replica logs would tear the progress bar apart
-        logging_level="WARNING",
-    )
+    ray.init(address="local", num_cpus=CLUSTER_CPUS, num_gpus=0, namespace=namespace,
+             object_store_memory=OBJECT_STORE_BYTES, include_dashboard=False, log_to_driver=False,
+             logging_level="WARNING")
     try:
-        yield {
-            "namespace": namespace,
-            "num_cpus_logical": CLUSTER_CPUS,
-            "object_store_bytes": OBJECT_STORE_BYTES,
-            "preallocate_plasma_memory": False,
-            "prefaulted_node_object_store_bytes": PREFAULTED_STORE_BYTES,
-        }
+        yield {"namespace": namespace, "num_cpus_logical": CLUSTER_CPUS, "object_store_bytes": OBJECT_STORE_BYTES}
     finally:
         # No serve.shutdown(): it stops every replica gracefully, one by one (seconds), and
         # ray.shutdown() ends this cluster's every process anyway, since this driver started it.
-        stop_monitor()
         ray.shutdown()
 
 
@@ -87,31 +74,10 @@ def start_serve() -> dict[str, Any]:
     """Start Serve on the cluster, HTTP on a free port of 127.0.0.1; its settings."""
     from ray import serve
 
-    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # its INFO lines would tear the progress bar
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # its INFO lines would bury the progress lines
     port = free_port()
-    # HeadOnly: the pre-faulted node (start_prefaulted_node) must not get a proxy of its own.
-    serve.start(
-        proxy_location="HeadOnly",
-        http_options={"host": "127.0.0.1", "port": port},
-        logging_config={"log_level": "WARNING"},
-    )
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"log_level": "WARNING"})
     return {"http_url": f"http://127.0.0.1:{port}"}
-
-
-def start_prefaulted_node(resource: str) -> Any:
-    """Add a second node to the running cluster, on this machine, whose object store its
-    raylet pre-faults at start (``RAY_preallocate_plasma_memory=1``); work that asks for
-    ``resource`` runs there. Returns the node, for ``benchmarks.ray_internals.remove_node``.
-
-    It has no CPUs, so nothing that does not ask for ``resource`` is placed on it. It is
-    started as ``ray.cluster_utils.Cluster.add_node`` starts one (Ray's ``Node``): a
-    second cluster would cost its own GCS, dashboard, monitors, driver and Serve
-    controller, and ``ray start`` would leave processes only ``ray stop`` ends. Callable
-    from any thread (no exit hooks: they set signal handlers). The node's processes get
-    the kernel's parent-death signal when the *thread* that started them ends, so that
-    thread must outlive the node's use; ``remove_node`` ends them.
-    """
-    return start_node({resource: 1}, PREFAULTED_STORE_BYTES, {"RAY_preallocate_plasma_memory": "1"})
 
 
 def load_average() -> list[float] | None:
@@ -121,27 +87,104 @@ def load_average() -> list[float] | None:
 
 def machine() -> dict[str, Any]:
     """What the figures were measured on."""
-    import numpy
     import torch
 
-    cpu_model = None
-    with contextlib.suppress(OSError):
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
-    gpu = torch.cuda.is_available()
-    return {
-        "cpu_count": os.cpu_count(),
-        "cpu_model": cpu_model,
-        "ram_bytes": ram,
-        "gpu": gpu,
-        "gpu_name": torch.cuda.get_device_name(0) if gpu else None,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "torch": torch.__version__,
-        "ray": ray.__version__,
-        "numpy": numpy.__version__,
-        "executable": sys.executable,
-    }
+    info = pathlib.Path("/proc/cpuinfo").read_text().splitlines() if os.path.exists("/proc/cpuinfo") else []
+    cpu_model = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), None)
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"cpu_count": os.cpu_count(), "cpu_model": cpu_model, "gpu_name": gpu, "python": platform.python_version(),
+            "platform": platform.platform(), "torch": torch.__version__, "ray": ray.__version__}
+
+
+def object_store_usage() -> tuple[int, int]:
+    """(bytes used, objects) in the shared-memory object store of every node (the raylets' figure)."""
+    from ray._private import internal_api
+
+    state = internal_api.get_state_from_address(ray.get_runtime_context().gcs_address)
+    stats = internal_api.get_memory_info_reply(state).store_stats
+    return int(stats.object_store_bytes_used), int(stats.num_local_objects)
+
+
+def executed_tasks(actors: list[Any]) -> int:
+    """Calls the processes of ``actors`` have executed, as their raylets count them: read
+    from the raylets, not from the actors, so that counting adds no call."""
+    from ray._private import internal_api
+
+    wanted, total, found = {actor._actor_id.binary() for actor in actors}, 0, 0
+    for node in ray.nodes():
+        if node["Alive"]:
+            stats = internal_api.node_stats(node["NodeManagerAddress"], node["NodeManagerPort"], include_memory_info=False)
+            for worker in stats.core_workers_stats:
+                if worker.actor_id in wanted:
+                    total, found = total + int(worker.num_executed_tasks), found + 1
+    if found != len(wanted):
+        raise RuntimeError(f"found {found} of {len(wanted)} actors' workers in the raylets' stats")
+    return total
+
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+# Ray's and Serve's own processes, by a part of their titles.
+SYSTEM_ROLES = {"ProxyActor": "proxy", "ServeController": "controller", "raylet/raylet": "raylet", "gcs_server": "gcs"}
+
+
+def _stat(pid: int) -> tuple[int, float] | None:
+    """(parent pid, CPU seconds) of ``pid``, or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    # After the command: state, ppid, ..., utime and stime are fields 14 and 15 of stat(5).
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def _title(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().split(b"\0")[0].decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _tree(root: int) -> dict[int, float]:
+    """CPU seconds of ``root`` and all its descendants."""
+    if not os.path.isdir("/proc"):
+        return {}
+    stats = {int(e): s for e in os.listdir("/proc") if e.isdigit() and (s := _stat(int(e))) is not None}
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in stats.items():
+        children.setdefault(ppid, []).append(pid)
+    out, todo = {}, [root]
+    while todo:
+        pid = todo.pop()
+        if pid in stats:
+            out[pid] = stats[pid][1]
+        todo += children.get(pid, [])
+    return out
+
+
+class CpuMeter:
+    """``with CpuMeter(roles, pids) as m: ...`` then ``m.by_role``: CPU seconds per role in the window.
+
+    A process's role is ``pids[pid]`` where known, else the first of ``roles`` (and of
+    ``SYSTEM_ROLES``, which ``roles`` may rename) whose key is in its title, else ``"other"``;
+    this driver is ``"driver"`` and ``"all"`` is the sum.
+    """
+
+    def __init__(self, roles: dict[str, str], pids: dict[int, str] | None = None):
+        self._roles, self._pids = {**SYSTEM_ROLES, **roles}, {**(pids or {}), os.getpid(): "driver"}
+        self.by_role: dict[str, float] = {}
+
+    def _role(self, pid: int) -> str:
+        title = "" if pid in self._pids else _title(pid)
+        return self._pids.get(pid) or next((role for needle, role in self._roles.items() if needle in title), "other")
+
+    def __enter__(self) -> "CpuMeter":
+        self._before = _tree(os.getpid())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for pid, seconds in _tree(os.getpid()).items():
+            role = self._role(pid)
+            self.by_role[role] = self.by_role.get(role, 0.0) + seconds - self._before.get(pid, 0.0)
+        self.by_role["all"] = sum(self.by_role.values())

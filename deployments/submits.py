@@ -8,7 +8,7 @@ makes fewer and fuller registry calls and a quiet one sends each request alone,
 with no wait added. That pays because the call
 is the cost: a no-op actor call takes its caller and its callee each about 0.45 ms
 of CPU here, where a call that carries 8 requests costs each side about 0.05 ms per
-request (``benchmarks/service_cpu.py`` measures the whole lifecycle).
+request (``benchmarks/registry_load.py`` measures the whole lifecycle).
 
 A request that waits for staging keeps a call of its own: the call stays open
 until the entry is staged, and cancelling it (the client went away) cancels the

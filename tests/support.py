@@ -19,7 +19,8 @@ import ray
 from PIL import Image
 
 # Object-store accounting and log locations reach into Ray's private modules: one home for that.
-from benchmarks.ray_internals import global_gc, logs_dir, object_refs_in_use, object_store_usage  # noqa: F401
+from benchmarks.cluster import object_store_usage  # noqa: F401
+from ray_readings import global_gc, logs_dir, object_refs_in_use  # noqa: F401
 from encoder import EncoderSpec, build_encoder
 from registry.server.inputs import INLINE_MAX_BYTES
 

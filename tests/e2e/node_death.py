@@ -86,7 +86,7 @@ def main() -> None:
         report = run(cluster, node_a)
         print(json.dumps(report))
     finally:
-        serve.shutdown()
+        # Ending the cluster ends Serve with it; serve.shutdown() would only add its drain wait.
         ray.shutdown()
         cluster.shutdown()
 

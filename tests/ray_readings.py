@@ -1,0 +1,64 @@
+"""What the tests read from Ray's private modules: who references which object, the session's
+log folder, a cluster-wide garbage collection. Ray has no public API for these; they change
+between Ray releases, so they are kept in one file (the benchmark's readings are in
+``benchmarks/cluster.py``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+# Processes of Serve's control plane, left out of the reference accounting: what they hold
+# is Serve's bookkeeping, which moves with replica churn and HTTP history, not with data.
+SERVE_CONTROL_PLANE = ("ServeController", "ProxyActor")
+
+
+def global_gc() -> None:
+    """Run the garbage collector in every worker of the cluster."""
+    from ray._private.internal_api import global_gc as _global_gc
+
+    _global_gc()
+
+
+def logs_dir() -> str:
+    """This cluster's session log folder (Serve's replica logs are under ``serve/``)."""
+    return ray._private.worker.global_worker.node.get_logs_dir_path()
+
+
+def object_refs_in_use() -> dict[bytes, tuple[int, list[str]]]:
+    """Every object the cluster's processes reference, Serve's control plane aside:
+    object id -> (size in bytes, or -1 when unknown; holders as "Class:pid").
+
+    Left out, because they are Serve's bookkeeping and move with replica churn,
+    config updates and HTTP history, not with data this project stages (all seen
+    here): what the controller and HTTP proxies hold (an object of about 110 KB
+    per replica, 15-byte objects per past request), and the controller's replies
+    that every process with a handle keeps (long-poll config snapshots, ~110 KB).
+    """
+    from ray._private import internal_api
+    from ray._private.state import actors
+    from ray.core.generated import common_pb2
+
+    classes = {aid: a.get("ActorClassName") for aid, a in actors().items()}
+    control_plane = {bytes.fromhex(aid) for aid, cls in classes.items() if cls in SERVE_CONTROL_PLANE}
+    refs: dict[bytes, tuple[int, list[str]]] = {}
+    for node in ray.nodes():
+        if not node["Alive"]:
+            continue
+        try:
+            stats = internal_api.node_stats(node["NodeManagerAddress"], node["NodeManagerPort"], include_memory_info=True)
+        except Exception:  # noqa: BLE001 - a node that just died and is not marked dead yet holds nothing
+            continue
+        for worker in stats.core_workers_stats:
+            holder: Any = classes.get(worker.actor_id.hex()) or common_pb2.WorkerType.Name(worker.worker_type).lower()
+            if holder in SERVE_CONTROL_PLANE:
+                continue
+            for ref in worker.object_refs:
+                # An object id is the id of the task that made it (8 bytes, then the
+                # actor's 16) and an index; skip what the control plane's tasks returned.
+                if ref.object_id[8:24] in control_plane:
+                    continue
+                size, holders = refs.get(ref.object_id, (-1, []))
+                refs[ref.object_id] = (max(size, ref.object_size), [*holders, f"{holder}:{worker.pid}"])
+    return refs
