@@ -19,6 +19,7 @@ import platform
 import secrets
 import socket
 import sys
+import time
 from typing import Any, Iterator
 
 import ray
@@ -59,6 +60,7 @@ def local_cluster(namespace: str) -> Iterator[dict[str, Any]]:
     paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
     if str(REPO_ROOT) not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), *paths]))
+    slow_machine_env()
     ray.init(address="local", num_cpus=CLUSTER_CPUS, num_gpus=0, namespace=namespace,
              object_store_memory=OBJECT_STORE_BYTES, include_dashboard=False, log_to_driver=False,
              logging_level="WARNING")
@@ -70,14 +72,53 @@ def local_cluster(namespace: str) -> Iterator[dict[str, Any]]:
         ray.shutdown()
 
 
-def start_serve() -> dict[str, Any]:
-    """Start Serve on the cluster, HTTP on a free port of 127.0.0.1; its settings."""
+# How long a Serve HTTP proxy may take to come up. Serve's controller gives a starting proxy
+# three readiness checks of 5 s before it kills it and starts another, and serve.start() waits
+# 60 s on the first one: on 2 cores shared with a pip install, a worker's start alone can
+# take longer, and serve.start() then raises although a replacement proxy is on its way.
+PROXY_READY_CHECK_S = "20"
+PROXY_START_S = 300.0
+
+
+def slow_machine_env() -> None:
+    """Serve's proxy readiness check at ``PROXY_READY_CHECK_S``, for every cluster started after this.
+
+    Ray's processes read it from the environment of the driver that starts the cluster."""
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", PROXY_READY_CHECK_S)
+
+
+def serve_http(port: int | None = None, **options: Any) -> str:
+    """Start Serve with HTTP on 127.0.0.1 (a free port unless given); its URL once the proxy answers.
+
+    A first proxy that Serve gave up on while it was starting (see ``PROXY_READY_CHECK_S``)
+    is waited out on the proxy's own health route rather than failing the caller."""
+    import httpx
     from ray import serve
 
+    port = port or free_port()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, **options)
+    except (TimeoutError, ray.exceptions.ActorDiedError) as exc:
+        logging.getLogger(__name__).warning("Serve's first HTTP proxy did not start (%s); waiting for its replacement",
+                                            type(exc).__name__)
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, **options)  # the running controller's client
+    deadline = time.monotonic() + PROXY_START_S
+    while True:
+        try:
+            httpx.get(f"{url}/-/healthz", timeout=5)  # any answer: 503 until an app's routes are in
+            return url
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"Serve's HTTP proxy at {url} did not answer within {PROXY_START_S:.0f} s")
+        time.sleep(0.5)
+
+
+def start_serve() -> dict[str, Any]:
+    """Start Serve on the cluster, HTTP on a free port of 127.0.0.1; its settings."""
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # its INFO lines would bury the progress lines
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"log_level": "WARNING"})
-    return {"http_url": f"http://127.0.0.1:{port}"}
+    return {"http_url": serve_http(logging_config={"log_level": "WARNING"})}
 
 
 def load_average() -> list[float] | None:

@@ -28,7 +28,7 @@ from ray.cluster_utils import Cluster
 TESTS = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(TESTS))
 
-from benchmarks.cluster import free_port  # noqa: E402
+from benchmarks.cluster import serve_http  # noqa: E402
 from deployments import compose_app  # noqa: E402
 from registry import lookup_registry  # noqa: E402
 from support import RankActor, image_bytes, image_item, object_store_bytes_in_use, reference_embedding, wait_until  # noqa: E402
@@ -82,7 +82,7 @@ def main() -> None:
         cluster.add_node(num_cpus=1, resources={"node_b": 1}, object_store_memory=150 * MiB)
         pythonpath = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
         ray.init(address=cluster.address, namespace="epd-node-death", runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
-        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": free_port()})
+        serve_http(proxy_location="HeadOnly")
         report = run(cluster, node_a)
         print(json.dumps(report))
     finally:

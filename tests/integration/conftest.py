@@ -17,7 +17,7 @@ import pytest
 import ray
 from ray import serve
 
-from benchmarks.cluster import free_port
+from benchmarks.cluster import free_port, serve_http
 from deployments import compose_app
 from support import APP_ARGS, RankActor, deployment_options, image_bytes, media_server, object_refs_in_use, object_store_bytes_in_use, registry_stats, wait_until
 
@@ -54,8 +54,7 @@ def cluster(tmp_path_factory):
         _system_config={"metrics_report_interval_ms": 1000},
         runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")]))}},
     )
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    url = serve_http()
     media_root = tmp_path_factory.mktemp("media")
     (media_root / "local.png").write_bytes(MEDIA_FILES["/img.png"])
     with media_server(MEDIA_FILES) as media_url:
@@ -71,7 +70,6 @@ def cluster(tmp_path_factory):
             "registry_shards": REGISTRY_SHARDS,
         }
         serve.run(compose_app(app_args, deployment_options=deployment_options()), name="epd", route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
         ranks = [RankActor.remote(r) for r in range(4)]
         with httpx.Client(base_url=url, timeout=60, headers=AUTH) as http:
             wait_until(lambda: http.get("/health").status_code == 200, 60, what="/health to answer 200")
