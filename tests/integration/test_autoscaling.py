@@ -14,7 +14,7 @@ import ray
 from ray import serve
 
 from deployments import BatchConfig, compose_app
-from support import MODEL_SPEC, deployment_options, image_bytes, image_item, reference_embedding, wait_until
+from support import DRAIN, MODEL_SPEC, deployment_options, image_bytes, image_item, reference_embedding, wait_until
 
 # Serve's autoscaler, tuned to react within a second or two, on the items each replica holds
 # (several may ride in one call): one item per replica is the target, so eight clients ask
@@ -29,8 +29,9 @@ AUTOSCALING = {
         "ray_actor_options": {"num_gpus": 0.5, "num_cpus": 0},
         # Batches wait for company, so requests pile up on a replica as they would on a busy GPU.
         "user_config": BatchConfig(max_batch_size=4, batch_wait_timeout_s=0.25).model_dump(),
+        **DRAIN,
     },
-    "Ingress": {"ray_actor_options": {"num_cpus": 0}},
+    "Ingress": {"ray_actor_options": {"num_cpus": 0}, **DRAIN},
 }
 
 

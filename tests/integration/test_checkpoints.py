@@ -17,7 +17,7 @@ from models import (
     save_qwen2_5_vl,
 )
 from registry import lookup_registry
-from support import RankActor, data_url, image_bytes, image_item, one_thread
+from support import DRAIN, RankActor, data_url, image_bytes, image_item, one_thread, wait_until
 
 IMAGES = [image_bytes(150, 100, seed=51), image_bytes(96, 64, seed=52)]
 NAMESPACE = "epd-tests"
@@ -26,7 +26,8 @@ NAMESPACE = "epd-tests"
 @pytest.fixture(scope="module")
 def served(cluster, tmp_path_factory):
     """Two more apps on the shared cluster, each serving a checkpoint saved to a temporary directory."""
-    models = {}
+    models, targets = {}, []
+    cpu_free = {"ray_actor_options": {"num_cpus": 0}, **DRAIN}
     for name, family, prefix, save in (
         ("epd-qwen", "qwen2_5_vl", "/qwen", save_qwen2_5_vl),
         ("epd-llava", "llava", "/llava", save_llava),
@@ -37,14 +38,15 @@ def served(cluster, tmp_path_factory):
             "registry_name": f"{name}_registry", "registry_namespace": NAMESPACE, "default_receive_count": 2,
             "model": {"family": family, "path": path, "dtype": "float32"},
         }
-        cpu_free = {"ray_actor_options": {"num_cpus": 0}}
-        serve.run(compose_app(args, deployment_options={"Encoder": cpu_free, "Ingress": cpu_free}), name=name,
-                  route_prefix=prefix)
-        ranks = [RankActor.remote(r, f"{name}_registry", NAMESPACE) for r in range(2)]
-        models[name] = (model, prefix, ranks, path)
+        app = compose_app(args, deployment_options={"Encoder": cpu_free, "Ingress": cpu_free})
+        targets.append(serve.RunTarget(app, name=name, route_prefix=prefix))
+        models[name] = (model, prefix, [RankActor.remote(r, f"{name}_registry", NAMESPACE) for r in range(2)], path)
+    serve.run_many(targets)  # both at once: one waits on its replicas' start while the other loads
     yield models
     for name in models:
-        serve.delete(name)
+        serve.delete(name, _blocking=False)
+    wait_until(lambda: not set(models) & set(serve.status().applications), 60, what="the checkpoint apps to be deleted")
+    for name in models:
         ray.kill(lookup_registry(f"{name}_registry", NAMESPACE))
 
 

@@ -145,6 +145,9 @@ def test_health_probes_while_the_encoder_starts_leave_one_not_ready_line_each_an
     options = deployment_options()
     # Its replica waits for a resource no node has: the Encoder is "starting" for the whole test.
     options["Encoder"]["ray_actor_options"] = {"num_cpus": 0, "resources": {"never-on-this-cluster": 1}}
+    # A replica that never started cannot answer Serve's graceful shutdown: without this, its
+    # deletion would wait out Serve's 20 s for it.
+    options["Encoder"]["graceful_shutdown_timeout_s"] = 1
     app = compose_app({**APP_ARGS, **registry}, deployment_options=options)
     serve.run_many([serve.RunTarget(app, name=name, route_prefix=f"/{name}")], wait_for_applications_running=False)
     try:

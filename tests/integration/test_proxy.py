@@ -23,7 +23,7 @@ from ray import serve
 from deployments import build_proxy_app
 from deployments.schemas import REQ_ID_PATTERN
 from standin_vllm import CHUNKS, COMPLETION, MODELS, SSE, UPSTREAM_ERROR, StandIn, stand_in_vllm
-from support import data_url, image_bytes, image_item, wait_until
+from support import DRAIN, data_url, image_bytes, image_item, wait_until
 
 TP = 2
 
@@ -210,7 +210,7 @@ def test_bad_proxy_args_name_the_field(args, message):
         build_proxy_app(args)
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0})
+@serve.deployment(ray_actor_options={"num_cpus": 0}, **DRAIN)
 class BuggyEncoder:
     """An encoder app with a bug: its ``encode`` raises something that is no ``RegistryError``."""
 
@@ -218,27 +218,40 @@ class BuggyEncoder:
         raise KeyError("a bug in the encoder app")
 
 
+@pytest.fixture(scope="module")
+def buggy(cluster):
+    """The buggy encoder app and a proxy in front of it with local_fallback and one without
+    (routes ``/proxy-wrong-on`` and ``/proxy-wrong-off``), deployed together; the stand-in vLLM."""
+    with stand_in_vllm() as upstream:
+        targets = [serve.RunTarget(BuggyEncoder.bind(), name="buggy-encoder", route_prefix=None)]
+        for fallback in ("on", "off"):
+            args = {"vllm_url": f"{upstream.url}/llm", "encoder_app": "buggy-encoder", "timeout_s": 30,
+                    "local_fallback": fallback == "on"}
+            targets.append(serve.RunTarget(build_proxy_app(args), name=f"epd-proxy-wrong-{fallback}",
+                                           route_prefix=f"/proxy-wrong-{fallback}"))
+        serve.run_many(targets)
+        try:
+            yield upstream
+        finally:
+            names = {target.name for target in targets}
+            for name in names:
+                serve.delete(name, _blocking=False)  # all three at once
+            wait_until(lambda: not names & set(serve.status().applications), 60, what="the buggy apps to be deleted")
+
+
 @pytest.mark.parametrize("local_fallback", [False, True], ids=["without local_fallback", "with local_fallback"])
-def test_a_bug_calling_the_encoder_app_is_a_500_not_a_retryable_503(cluster, local_fallback):
+def test_a_bug_calling_the_encoder_app_is_a_500_not_a_retryable_503(cluster, buggy, local_fallback):
     """Without local_fallback the chat fails with 500 (not 503: retrying will not help); with
     it (the default) vLLM encodes the image itself and the chat gets its answer."""
-    serve.run(BuggyEncoder.bind(), name="buggy-encoder", route_prefix=None)
-    with stand_in_vllm() as upstream:
-        args = {"vllm_url": f"{upstream.url}/llm", "encoder_app": "buggy-encoder", "timeout_s": 30,
-                "local_fallback": local_fallback}
-        serve.run(build_proxy_app(args), name="epd-proxy-wrong", route_prefix="/proxy-wrong")
-        try:
-            with httpx.Client(base_url=f"{cluster.url}/proxy-wrong", timeout=60) as client:
-                wait_until(lambda: client.get("/v1/models").status_code == 200, 60, what="the proxy to answer")
-                image = {"type": "image_url", "image_url": {"url": data_url(image_bytes(64, 64, seed=9901))}}
-                response = client.post("/v1/chat/completions", json=chat(image))
-            if local_fallback:
-                assert (response.status_code, response.json()) == (200, COMPLETION), response.text
-                assert upstream.chats()[-1]["json"]["messages"][1]["content"][0]["uuid"]
-            else:
-                assert response.status_code == 500, response.text
-                assert response.json()["error"]["code"] == "internal" and "Retry-After" not in response.headers
-                assert not upstream.chats()
-        finally:
-            serve.delete("epd-proxy-wrong")
-            serve.delete("buggy-encoder")
+    chats_before = len(buggy.chats())
+    with httpx.Client(base_url=f"{cluster.url}/proxy-wrong-{'on' if local_fallback else 'off'}", timeout=60) as client:
+        wait_until(lambda: client.get("/v1/models").status_code == 200, 60, what="the proxy to answer")
+        image = {"type": "image_url", "image_url": {"url": data_url(image_bytes(64, 64, seed=9901))}}
+        response = client.post("/v1/chat/completions", json=chat(image))
+    if local_fallback:
+        assert (response.status_code, response.json()) == (200, COMPLETION), response.text
+        assert buggy.chats()[-1]["json"]["messages"][1]["content"][0]["uuid"]
+    else:
+        assert response.status_code == 500, response.text
+        assert response.json()["error"]["code"] == "internal" and "Retry-After" not in response.headers
+        assert len(buggy.chats()) == chats_before

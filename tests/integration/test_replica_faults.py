@@ -14,7 +14,7 @@ import ray
 from ray import serve
 
 from deployments import BatchConfig, compose_app
-from support import MODEL_SPEC, deployment_options, image_bytes, image_item, reference_embedding, registry_stats, wait_until
+from support import DRAIN, MODEL_SPEC, deployment_options, image_bytes, image_item, reference_embedding, registry_stats, wait_until
 
 # Two replicas that hold every item for five seconds before a forward pass, so a
 # kill or a client's departure lands while items sit in a batch.
@@ -23,8 +23,9 @@ TWO_SLOW_REPLICAS = {
         "num_replicas": 2,
         "ray_actor_options": {"num_gpus": 0.5, "num_cpus": 0},
         "user_config": BatchConfig(max_batch_size=64, batch_wait_timeout_s=5.0).model_dump(),
+        **DRAIN,
     },
-    "Ingress": {"ray_actor_options": {"num_cpus": 0}},
+    "Ingress": {"ray_actor_options": {"num_cpus": 0}, **DRAIN},
 }
 
 
