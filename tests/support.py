@@ -186,6 +186,22 @@ def wait_until(condition: Callable[[], Any], timeout_s: float = 15.0, interval_s
         time.sleep(interval_s)
 
 
+@contextlib.contextmanager
+def deployed(*targets: Any):
+    """Serve apps (``serve.RunTarget``s) deployed together and, at the end, deleted together:
+    one waits on its replicas' start while another's load, and their drains overlap; the handles."""
+    from ray import serve
+
+    handles = serve.run_many(list(targets))
+    try:
+        yield handles
+    finally:
+        names = {target.name for target in targets}
+        for name in names:
+            serve.delete(name, _blocking=False)
+        wait_until(lambda: not names & set(serve.status().applications), 60, what=f"apps {sorted(names)} deleted")
+
+
 @ray.remote(num_cpus=0, max_concurrency=1000)
 class RankActor:
     """A decoder TP rank: fetches with ``EmbeddingReceiver`` and reports what it got."""

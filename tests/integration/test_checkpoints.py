@@ -17,7 +17,7 @@ from models import (
     save_qwen2_5_vl,
 )
 from registry import lookup_registry
-from support import DRAIN, RankActor, data_url, image_bytes, image_item, one_thread, wait_until
+from support import DRAIN, RankActor, data_url, deployed, image_bytes, image_item, one_thread
 
 IMAGES = [image_bytes(150, 100, seed=51), image_bytes(96, 64, seed=52)]
 NAMESPACE = "epd-tests"
@@ -41,11 +41,8 @@ def served(cluster, tmp_path_factory):
         app = compose_app(args, deployment_options={"Encoder": cpu_free, "Ingress": cpu_free})
         targets.append(serve.RunTarget(app, name=name, route_prefix=prefix))
         models[name] = (model, prefix, [RankActor.remote(r, f"{name}_registry", NAMESPACE) for r in range(2)], path)
-    serve.run_many(targets)  # both at once: one waits on its replicas' start while the other loads
-    yield models
-    for name in models:
-        serve.delete(name, _blocking=False)
-    wait_until(lambda: not set(models) & set(serve.status().applications), 60, what="the checkpoint apps to be deleted")
+    with deployed(*targets):
+        yield models
     for name in models:
         ray.kill(lookup_registry(f"{name}_registry", NAMESPACE))
 

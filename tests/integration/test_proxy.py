@@ -23,7 +23,7 @@ from ray import serve
 from deployments import build_proxy_app
 from deployments.schemas import REQ_ID_PATTERN
 from standin_vllm import CHUNKS, COMPLETION, MODELS, SSE, UPSTREAM_ERROR, StandIn, stand_in_vllm
-from support import DRAIN, data_url, image_bytes, image_item, wait_until
+from support import DRAIN, data_url, deployed, image_bytes, image_item, wait_until
 
 TP = 2
 
@@ -229,14 +229,8 @@ def buggy(cluster):
                     "local_fallback": fallback == "on"}
             targets.append(serve.RunTarget(build_proxy_app(args), name=f"epd-proxy-wrong-{fallback}",
                                            route_prefix=f"/proxy-wrong-{fallback}"))
-        serve.run_many(targets)
-        try:
+        with deployed(*targets):
             yield upstream
-        finally:
-            names = {target.name for target in targets}
-            for name in names:
-                serve.delete(name, _blocking=False)  # all three at once
-            wait_until(lambda: not names & set(serve.status().applications), 60, what="the buggy apps to be deleted")
 
 
 @pytest.mark.parametrize("local_fallback", [False, True], ids=["without local_fallback", "with local_fallback"])

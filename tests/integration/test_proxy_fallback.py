@@ -23,7 +23,7 @@ from deployments.schemas import REQ_ID_PATTERN
 from registry.errors import InvalidRequest, Overloaded, Unavailable, UnknownRequest
 from registry.logs import quiet_client_errors
 from standin_vllm import COMPLETION, FAILED_AFTER_OUTPUT_SSE, GENERATION_ERROR, SSE, StandIn, stand_in_vllm
-from support import log_lines_since, log_offsets, wait_until
+from support import DRAIN, deployed, log_lines_since, log_offsets, wait_until
 
 ENCODER_APP = "scripted-encoder"
 # The scripted outcomes: file name -> (status, code) of the chat without local_fallback.
@@ -44,7 +44,7 @@ _ENDED = {
 }
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0})
+@serve.deployment(ray_actor_options={"num_cpus": 0}, **DRAIN)
 class ScriptedEncoder:
     """The encoder app's ``encode``/``describe``, answering by the image's file name."""
 
@@ -87,21 +87,18 @@ class Proxies:
 
 @pytest.fixture(scope="module")
 def proxies(cluster):
-    encoder = serve.run(ScriptedEncoder.bind(), name=ENCODER_APP, route_prefix=None)
     with stand_in_vllm() as upstream:
         common = {"vllm_url": f"{upstream.url}/llm", "encoder_app": ENCODER_APP, "timeout_s": 30}
-        serve.run(build_proxy_app(common), name="proxy-fallback", route_prefix="/proxy-fallback")
-        serve.run(build_proxy_app({**common, "local_fallback": False}), name="proxy-strict", route_prefix="/proxy-strict")
-        try:
-            with httpx.Client(base_url=f"{cluster.url}/proxy-fallback", timeout=60) as fallback, \
-                    httpx.Client(base_url=f"{cluster.url}/proxy-strict", timeout=60) as strict:
-                for client in (fallback, strict):
-                    wait_until(lambda: client.get("/v1/models").status_code == 200, 60, what="the proxy to answer")
-                yield Proxies(fallback, strict, upstream, encoder)
-        finally:
-            serve.delete("proxy-fallback")
-            serve.delete("proxy-strict")
-            serve.delete(ENCODER_APP)
+        with deployed(
+            serve.RunTarget(ScriptedEncoder.bind(), name=ENCODER_APP, route_prefix=None),
+            serve.RunTarget(build_proxy_app(common), name="proxy-fallback", route_prefix="/proxy-fallback"),
+            serve.RunTarget(build_proxy_app({**common, "local_fallback": False}), name="proxy-strict",
+                            route_prefix="/proxy-strict"),
+        ) as (encoder, _, _), httpx.Client(base_url=f"{cluster.url}/proxy-fallback", timeout=60) as fallback, \
+                httpx.Client(base_url=f"{cluster.url}/proxy-strict", timeout=60) as strict:
+            for client in (fallback, strict):
+                wait_until(lambda: client.get("/v1/models").status_code == 200, 60, what="the proxy to answer")
+            yield Proxies(fallback, strict, upstream, encoder)
 
 
 def chat(name: str, stream: bool = False) -> dict[str, Any]:
