@@ -188,8 +188,8 @@ def wait_until(condition: Callable[[], Any], timeout_s: float = 15.0, interval_s
 
 @contextlib.contextmanager
 def deployed(*targets: Any):
-    """Serve apps (``serve.RunTarget``s) deployed together and, at the end, deleted together:
-    one waits on its replicas' start while another's load, and their drains overlap; the handles."""
+    """Serve apps (``serve.RunTarget``s) deployed together and, at the end, deleted together,
+    so that their replicas start side by side and drain side by side; yields their handles."""
     from ray import serve
 
     handles = serve.run_many(list(targets))
