@@ -57,9 +57,7 @@ def local_cluster(namespace: str) -> Iterator[dict[str, Any]]:
     starts so that every Ray process inherits it; not a job ``runtime_env``, whose workers
     start through Ray's runtime-env agent (0.4 CPU-s more each, measured here)."""
     os.environ.pop("RAY_ADDRESS", None)
-    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
-    if str(REPO_ROOT) not in paths:
-        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), *paths]))
+    on_pythonpath(str(REPO_ROOT))
     slow_machine_env()
     ray.init(address="local", num_cpus=CLUSTER_CPUS, num_gpus=0, namespace=namespace,
              object_store_memory=OBJECT_STORE_BYTES, include_dashboard=False, log_to_driver=False,
@@ -70,6 +68,14 @@ def local_cluster(namespace: str) -> Iterator[dict[str, Any]]:
         # No serve.shutdown(): it stops every replica gracefully, one by one (seconds), and
         # ray.shutdown() ends this cluster's every process anyway, since this driver started it.
         ray.shutdown()
+
+
+def on_pythonpath(folder: str) -> None:
+    """Put ``folder`` first on this process's ``PYTHONPATH``, which the Ray processes of a
+    cluster started after this inherit (so every worker can import from it)."""
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if folder not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([folder, *paths])
 
 
 # How long a Serve HTTP proxy may take to come up. Serve's controller gives a starting proxy

@@ -17,6 +17,7 @@ from support import wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 URL = "http://127.0.0.1:8000"  # serve_config.yaml's http_options
+STOP_GRACE_S = 2
 
 
 def port_free(port: int) -> bool:
@@ -58,9 +59,11 @@ def serve_run(
         assert proc.poll() is None, log_path.read_text()[-4000:]
         yield proc
     finally:
+        # Ctrl-C, as a user stops it; its graceful drain of every replica is not waited out
+        # for long (it can take a minute), since the process group goes next.
         proc.send_signal(signal.SIGINT)
         try:
-            proc.wait(timeout=60)
+            proc.wait(timeout=STOP_GRACE_S)
         except subprocess.TimeoutExpired:
             pass
         try:

@@ -7,8 +7,12 @@ against the test's timeout and hold up everything after it. So when the session 
 selected a test that needs one, a thread starts building it at once; the test's fixture
 then finds it built, or waits on the build's file lock. A failed build is remembered
 (``side_venvs``), and the fixture skips with its message as before.
+
+The ``serve run`` ends after the last test that uses it, not with the session: left running,
+its idle cluster (controller, proxy, replicas, dashboard) would take CPU from every test after.
 """
 
+import contextlib
 import threading
 
 import pytest
@@ -24,7 +28,13 @@ _VENVS = {
 }
 
 
+# The shared ``serve run`` (entered by ``service``) and the last selected test that uses it.
+_SERVICE = contextlib.ExitStack()
+_LAST_USER: list[str] = []
+
+
 def pytest_collection_finish(session):
+    _LAST_USER[:] = [item.nodeid for item in session.items if "service" in item.fixturenames][-1:]
     modules = {item.module.__name__.rsplit(".", 1)[-1] for item in session.items if item.module is not None}
     for users, ensure in _VENVS.items():
         if modules & set(users):
@@ -40,5 +50,12 @@ def _build(ensure) -> None:
 
 @pytest.fixture(scope="session")
 def service(tmp_path_factory):
-    with serve_run(tmp_path_factory.mktemp("serve") / "serve_run.log") as proc:
-        yield proc
+    with _SERVICE:
+        yield _SERVICE.enter_context(serve_run(tmp_path_factory.mktemp("serve") / "serve_run.log"))
+
+
+@pytest.fixture(autouse=True)
+def _end_service_after_its_last_user(request):
+    yield
+    if [request.node.nodeid] == _LAST_USER:
+        _SERVICE.close()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import pathlib
 import sys
 import time
@@ -28,7 +27,7 @@ from ray.cluster_utils import Cluster
 TESTS = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(TESTS))
 
-from benchmarks.cluster import serve_http  # noqa: E402
+from benchmarks.cluster import on_pythonpath, serve_http  # noqa: E402
 from deployments import compose_app  # noqa: E402
 from registry import lookup_registry  # noqa: E402
 from support import RankActor, image_bytes, image_item, object_store_bytes_in_use, reference_embedding, wait_until  # noqa: E402
@@ -72,6 +71,7 @@ def _fetch(rank, req_id: str) -> dict:
 def main() -> None:
     # Fast node-failure detection, as a production cluster would tune it.
     detection = {"health_check_period_ms": 500, "health_check_failure_threshold": 3, "health_check_initial_delay_ms": 0}
+    on_pythonpath(str(TESTS))  # the workers import the test helpers (RankActor), as the nodes inherit it
     cluster = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 4, "resources": {"head": 100}, "object_store_memory": 200 * MiB,
@@ -80,8 +80,7 @@ def main() -> None:
     try:
         node_a = cluster.add_node(num_cpus=1, resources={"node_a": 1}, object_store_memory=150 * MiB)
         cluster.add_node(num_cpus=1, resources={"node_b": 1}, object_store_memory=150 * MiB)
-        pythonpath = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
-        ray.init(address=cluster.address, namespace="epd-node-death", runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
+        ray.init(address=cluster.address, namespace="epd-node-death")
         serve_http(proxy_location="HeadOnly")
         report = run(cluster, node_a)
         print(json.dumps(report))

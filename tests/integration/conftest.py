@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import os
 import pathlib
 import secrets
 
@@ -17,7 +16,7 @@ import pytest
 import ray
 from ray import serve
 
-from benchmarks.cluster import free_port, serve_http
+from benchmarks.cluster import free_port, on_pythonpath, serve_http
 from deployments import compose_app
 from support import APP_ARGS, RankActor, deployment_options, image_bytes, media_server, object_refs_in_use, object_store_bytes_in_use, registry_stats, wait_until
 
@@ -42,8 +41,10 @@ AUTH = {"Authorization": f"Bearer {API_TOKEN}"}
 
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory):
-    # Workers import the test helpers (RankActor) from tests/.
-    tests_dir = str(pathlib.Path(__file__).resolve().parents[1])
+    # Workers import the test helpers (RankActor) from tests/: on PYTHONPATH before the cluster
+    # starts, which every Ray process inherits. A job runtime_env would start each of the
+    # suite's ~90 workers through Ray's runtime-env agent, at 0.4 CPU-s more each.
+    on_pythonpath(str(pathlib.Path(__file__).resolve().parents[1]))
     metrics_port = free_port()
     ray.init(
         num_cpus=8,
@@ -52,7 +53,6 @@ def cluster(tmp_path_factory):
         include_dashboard=False,
         _metrics_export_port=metrics_port,  # Prometheus endpoint, as the dashboard reads it
         _system_config={"metrics_report_interval_ms": 1000},
-        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")]))}},
     )
     url = serve_http()
     media_root = tmp_path_factory.mktemp("media")
