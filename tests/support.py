@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import hashlib
 import io
+import json
 import time
 from typing import Any, Callable
 
@@ -145,8 +147,15 @@ def one_thread():
 
 def reference_embedding(data: bytes, **spec: Any) -> np.ndarray:
     """The embedding computed in this process, unbatched, as staged (payload array)."""
-    encoder = build_encoder(EncoderSpec(**spec))
+    encoder = _reference_encoder(json.dumps(spec, sort_keys=True))
     return encoder.encode_batch([encoder.preprocess(data)])[0].payload
+
+
+@functools.lru_cache(maxsize=4)
+def _reference_encoder(spec: str):
+    # Built once per spec (its JSON): the tests compare hundreds of staged items with it, and
+    # building the model costs more than encoding one small image with it.
+    return build_encoder(EncoderSpec(**json.loads(spec)))
 
 
 # Ray stores objects larger than this in the shared-memory object store and

@@ -137,14 +137,15 @@ def test_serve_deploy_of_a_changed_config_keeps_staged_entries_and_drops_no_requ
                         timeout=60).json()
     before = _decoder(service, "--req-id", staged["req_id"], "--ranks", "0")["ranks"][0]["items"]
 
-    # Other clients keep encoding throughout the redeploy, each request deleted once answered
-    # (as a decoder that gave up would), so that nothing is left staged at the end.
+    # Another client keeps encoding throughout the redeploy, each request deleted once answered
+    # (as a decoder that gave up would), so that nothing is left staged at the end. It pauses
+    # 0.1 s between requests: flat out, it would take a core from the replicas being started.
     stop, answers, deletes = threading.Event(), [], []
 
     def keep_encoding():
         with httpx.Client(base_url=URL, timeout=60) as client:
             for seed in itertools.count(100):
-                if stop.is_set():
+                if stop.wait(0.1):
                     return
                 body = {"receive_count": 1, "items": [image_item(image_bytes(96, 96, seed=seed))]}
                 answers.append(client.post("/v1/encode", json=body))
