@@ -174,16 +174,16 @@ def _registry(ctx: Context, base: str, shards: int) -> Any:
 
 def run_scale(ctx: Context) -> None:
     plan, results, section = ctx.plan, ctx.results, "scale"
+    # One registry per shard count, used by every row with that count and then by fetch_many:
+    # each row ends with its entries released, and a shard's start costs more than a row here.
+    registries = {count: _registry(ctx, f"scale_{count}", count) for count in sorted({count for count, _ in SCALE_ROWS})}
     for count, tp in SCALE_ROWS:
-        shards = _registry(ctx, f"scale_{count}_{tp}", count)
-        measured = Lifecycles(ctx.ranks, shards).run(plan.lifecycles, SCALE_CONCURRENCY, tp)
+        measured = Lifecycles(ctx.ranks, registries[count]).run(plan.lifecycles, SCALE_CONCURRENCY, tp)
         results.add(section, "lifecycles_per_s", measured.rate, "1/s", n=plan.lifecycles, shards=count, tp=tp)
         results.add(section, "fetch_errors", measured.failed, "calls", shards=count, tp=tp)
         _record_cpu(ctx, section, measured.cpu_s, shards=count, tp=tp)
-        for handle in shards.handles:
-            ray.kill(handle)
         ctx.step(f"scale: {count} shards, TP {tp}")
-    shards = _registry(ctx, "scale_many", max(count for count, _ in SCALE_ROWS))
+    shards = registries[max(registries)]
     harness, pair = Lifecycles(ctx.ranks, shards), ctx.ranks[:2]
     ray.get([rank.use_registry.remote(shards.name, shards.namespace) for rank in pair])
     many, in_flight = [], []
@@ -197,7 +197,7 @@ def run_scale(ctx: Context) -> None:
         if r:  # round 0 warms both up
             many.append(t_many / plan.scale_batch)
             in_flight.append(t_in_flight / plan.scale_batch)
-    for handle in shards.handles:
+    for handle in (handle for registry in registries.values() for handle in registry.handles):
         ray.kill(handle)
     labels = {"shards": len(shards.handles), "batch": plan.scale_batch}
     batched = results.add(section, "fetch_many_s_per_request", samples=many, **labels)
