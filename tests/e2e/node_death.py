@@ -30,7 +30,7 @@ sys.path.insert(0, str(TESTS))
 from benchmarks.cluster import on_pythonpath, serve_http  # noqa: E402
 from deployments import compose_app  # noqa: E402
 from registry import lookup_registry  # noqa: E402
-from support import RankActor, image_bytes, image_item, object_store_bytes_in_use, reference_embedding, wait_until  # noqa: E402
+from support import DRAIN, RankActor, image_bytes, image_item, object_store_bytes_in_use, reference_embedding, wait_until  # noqa: E402
 
 MODEL = {"family": "tiny-vit", "dtype": "bfloat16"}
 REGISTRY = {"registry_name": "node_death_registry", "registry_namespace": "epd-node-death"}
@@ -39,9 +39,9 @@ MiB = 1024 * 1024
 
 def _deploy(node_resource: str) -> None:
     args = {**REGISTRY, "cache_max_bytes": 0, "default_receive_count": 2, "model": MODEL}
-    options = {
-        "Encoder": {"ray_actor_options": {"num_cpus": 1, "resources": {node_resource: 1}}},
-        "Ingress": {"ray_actor_options": {"num_cpus": 0, "resources": {"head": 1}}},
+    options = {  # DRAIN: the A replica that the B one replaces is gone in about a second
+        "Encoder": {"ray_actor_options": {"num_cpus": 1, "resources": {node_resource: 1}}, **DRAIN},
+        "Ingress": {"ray_actor_options": {"num_cpus": 0, "resources": {"head": 1}}, **DRAIN},
     }
     serve.run(compose_app(args, deployment_options=options), name="epd", route_prefix="/")
 
