@@ -153,7 +153,7 @@ def reference_embedding(data: bytes, **spec: Any) -> np.ndarray:
 
 @functools.lru_cache(maxsize=4)
 def _reference_encoder(spec: str):
-    # Built once per spec (its JSON): the tests compare hundreds of staged items with it, and
+    # Built once per spec (its JSON): some tests compare every item they staged with it, and
     # building the model costs more than encoding one small image with it.
     return build_encoder(EncoderSpec(**json.loads(spec)))
 

@@ -57,5 +57,5 @@ def service(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def _end_service_after_its_last_user(request):
     yield
-    if [request.node.nodeid] == _LAST_USER:
+    if request.node.nodeid in _LAST_USER:
         _SERVICE.close()
