@@ -71,11 +71,15 @@ def _fetch(rank, req_id: str) -> dict:
 def main() -> None:
     # Fast node-failure detection, as a production cluster would tune it.
     detection = {"health_check_period_ms": 500, "health_check_failure_threshold": 3, "health_check_initial_delay_ms": 0}
+    # _evict_head_copies spills 150 MiB on purpose. Ray refuses any spill while the
+    # host's disk is over 95% full, however much room is left; a 1.0 threshold turns
+    # that check off for this throwaway cluster, so a nearly full CI disk cannot fail it.
+    spill = {"local_fs_capacity_threshold": 1.0}
     on_pythonpath(str(TESTS))  # the workers import the test helpers (RankActor), as the nodes inherit it
     cluster = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 4, "resources": {"head": 100}, "object_store_memory": 200 * MiB,
-                        "_system_config": detection},
+                        "_system_config": {**detection, **spill}},
     )
     try:
         node_a = cluster.add_node(num_cpus=1, resources={"node_a": 1}, object_store_memory=150 * MiB)
