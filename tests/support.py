@@ -163,16 +163,24 @@ def _reference_encoder(spec: str):
 INLINE_OBJECT_LIMIT = INLINE_MAX_BYTES
 
 
-def object_store_bytes_in_use() -> int:
-    """Bytes of object-store objects (over ``INLINE_OBJECT_LIMIT``) that any process of
-    the cluster references, Serve's control plane aside; each object counted once.
+def stored_objects(collect: bool = False) -> dict[bytes, tuple[int, list[str]]]:
+    """The object-store objects (over ``INLINE_OBJECT_LIMIT``) that any process of the
+    cluster references, Serve's control plane aside: id -> (bytes, holders).
 
-    It runs the garbage collector in every worker first: refs caught in reference
-    cycles (Serve's router keeps some failed calls to a dead replica in them) are
-    garbage a busy process collects on its own, not leaks.
+    ``collect`` runs the garbage collector in every worker first: refs caught in reference
+    cycles (a failed request's inputs, in the frames its exception holds; Serve's router
+    keeps some failed calls to a dead replica in them) are garbage a busy process collects
+    on its own, not leaks. Ray runs it in a worker at most once per
+    ``local_gc_min_interval_s``: a request made sooner is carried out then.
     """
-    global_gc()
-    return sum(size for size, _ in object_refs_in_use().values() if size > INLINE_OBJECT_LIMIT)
+    if collect:
+        global_gc()
+    return {oid: (size, holders) for oid, (size, holders) in object_refs_in_use().items() if size > INLINE_OBJECT_LIMIT}
+
+
+def object_store_bytes_in_use() -> int:
+    """Bytes of the ``stored_objects``, garbage collected first; each object counted once."""
+    return sum(size for size, _ in stored_objects(collect=True).values())
 
 
 def registry_stats(name: str | None = None, namespace: str | None = None) -> dict[str, int]:
