@@ -163,6 +163,13 @@ def _reference_encoder(spec: str):
 INLINE_OBJECT_LIMIT = INLINE_MAX_BYTES
 
 
+# For the _system_config of the clusters the tests start. Ray lets a worker collect garbage at
+# most once per local_gc_min_interval_s (10 s by default), so a leak check that asks for a
+# collection (``stored_objects(collect=True)``) would wait up to that long for it. 1 s, as
+# Ray's own test clusters run.
+COLLECT_EVERY_SECOND = {"local_gc_min_interval_s": 1}
+
+
 def stored_objects(collect: bool = False) -> dict[bytes, tuple[int, list[str]]]:
     """The object-store objects (over ``INLINE_OBJECT_LIMIT``) that any process of the
     cluster references, Serve's control plane aside: id -> (bytes, holders).
@@ -171,7 +178,8 @@ def stored_objects(collect: bool = False) -> dict[bytes, tuple[int, list[str]]]:
     cycles (a failed request's inputs, in the frames its exception holds; Serve's router
     keeps some failed calls to a dead replica in them) are garbage a busy process collects
     on its own, not leaks. Ray runs it in a worker at most once per
-    ``local_gc_min_interval_s``: a request made sooner is carried out then.
+    ``local_gc_min_interval_s`` (see ``COLLECT_EVERY_SECOND``): a request made sooner is
+    carried out then.
     """
     if collect:
         global_gc()

@@ -30,7 +30,7 @@ sys.path.insert(0, str(TESTS))
 from benchmarks.cluster import on_pythonpath, serve_http  # noqa: E402
 from deployments import compose_app  # noqa: E402
 from registry import lookup_registry  # noqa: E402
-from support import DRAIN, RankActor, image_bytes, image_item, object_store_bytes_in_use, reference_embedding, wait_until  # noqa: E402
+from support import COLLECT_EVERY_SECOND, DRAIN, RankActor, image_bytes, image_item, object_store_bytes_in_use, reference_embedding, wait_until  # noqa: E402
 
 MODEL = {"family": "tiny-vit", "dtype": "bfloat16"}
 REGISTRY = {"registry_name": "node_death_registry", "registry_namespace": "epd-node-death"}
@@ -75,14 +75,11 @@ def main() -> None:
     # host's disk is over 95% full, however much room is left; a 1.0 threshold turns
     # that check off for this throwaway cluster, so a nearly full CI disk cannot fail it.
     spill = {"local_fs_capacity_threshold": 1.0}
-    # The object-store reading at the end collects garbage in every worker, which Ray runs
-    # at most once per local_gc_min_interval_s (10 s by default): 1 s, as Ray's test clusters.
-    collect = {"local_gc_min_interval_s": 1}
     on_pythonpath(str(TESTS))  # the workers import the test helpers (RankActor), as the nodes inherit it
     cluster = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 4, "resources": {"head": 100}, "object_store_memory": 200 * MiB,
-                        "_system_config": {**detection, **spill, **collect}},
+                        "_system_config": {**detection, **spill, **COLLECT_EVERY_SECOND}},  # for the final reading
     )
     try:
         node_a = cluster.add_node(num_cpus=1, resources={"node_a": 1}, object_store_memory=150 * MiB)

@@ -18,7 +18,7 @@ from ray import serve
 
 from benchmarks.cluster import free_port, on_pythonpath, serve_http
 from deployments import compose_app
-from support import APP_ARGS, RankActor, deployment_options, image_bytes, media_server, registry_stats, stored_objects, wait_until
+from support import APP_ARGS, COLLECT_EVERY_SECOND, RankActor, deployment_options, image_bytes, media_server, registry_stats, stored_objects, wait_until
 
 
 @dataclasses.dataclass
@@ -52,11 +52,7 @@ def cluster(tmp_path_factory):
         namespace="epd-tests",
         include_dashboard=False,
         _metrics_export_port=metrics_port,  # Prometheus endpoint, as the dashboard reads it
-        # Ray lets a worker run the garbage collector once per local_gc_min_interval_s;
-        # with the default, 10 s, the leak check after a test that left refs in reference
-        # cycles waited up to that long for the collection it asked for. 1 s, as Ray's
-        # own test clusters run.
-        _system_config={"metrics_report_interval_ms": 1000, "local_gc_min_interval_s": 1},
+        _system_config={"metrics_report_interval_ms": 1000, **COLLECT_EVERY_SECOND},  # for no_leaks
     )
     url = serve_http()
     media_root = tmp_path_factory.mktemp("media")
