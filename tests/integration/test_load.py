@@ -146,11 +146,12 @@ def test_overload_past_the_limits_answers_only_overloaded_and_memory_stays_bound
             raise AssertionError(f"object store use {growth()} bytes over its level before the burst, "
                                  f"bound 1.1 x {bound}; registry {registry_stats()}; referenced (bytes, holders): "
                                  f"{[v for v in object_refs_in_use().values() if v[0] > INLINE_OBJECT_LIMIT]}") from None
-        # The Python handle answers the same code. The burst may have stopped just under the
-        # staged-bytes limit, so one more entry can fit before the refusal.
+        # The Python handle answers the same code once the staged bytes are at their limit. On a
+        # busy machine the burst's refusals can all come from the pending-requests limit, with
+        # the staged bytes still under theirs: then the first refused ones fit, up to the limit.
         handle = serve.get_app_handle("epd")
         with pytest.raises(Overloaded):
-            for i in [i for i, c in enumerate(codes) if c == 429][:3]:
+            for i in [i for i, c in enumerate(codes) if c == 429]:
                 handle.encode.remote(bodies[i]).result()
                 codes[i] = 200  # it fitted: fetched below with the others
 
