@@ -11,34 +11,30 @@ from deployments import compose_app
 from support import deployed, deployment_options, image_bytes, image_item
 
 
-def _encode_concurrently(cluster, tag, n, app=""):
-    """``n`` requests of one item each, sent at once to the app routed at ``/app``; each then
-    released: fetched by a suite rank (the suite's app) or deleted (another app)."""
-    prefix = f"/{app}" if app else ""
+def _encode_concurrently(cluster, tag, n, prefix=""):
+    """``n`` requests of one item each for one rank, sent at once to the app routed at
+    ``prefix``; their req_ids, once every one was answered 200."""
+    req_ids = [f"{tag}-{i}" for i in range(n)]
 
     async def run():
         async with httpx.AsyncClient(base_url=cluster.url, timeout=60, headers=cluster.headers) as client:
             bodies = [
-                {"req_id": f"{tag}-{i}", "receive_count": 1, "items": [image_item(image_bytes(128, 128, seed=i))]}
-                for i in range(n)
+                {"req_id": req_id, "receive_count": 1, "items": [image_item(image_bytes(128, 128, seed=i))]}
+                for i, req_id in enumerate(req_ids)
             ]
-            answers = await asyncio.gather(*(client.post(f"{prefix}/v1/encode", json=b) for b in bodies))
-            deleted = [] if not app else await asyncio.gather(
-                *(client.delete(f"{prefix}/v1/requests/{b['req_id']}") for b in bodies))
-            return answers, deleted
+            return await asyncio.gather(*(client.post(f"{prefix}/v1/encode", json=b) for b in bodies))
 
-    responses, deleted = asyncio.run(run())
+    responses = asyncio.run(run())
     assert [r.status_code for r in responses] == [200] * n
-    assert [r.status_code for r in deleted] == ([200] * n if app else [])
-    if not app:
-        results = ray.get([cluster.ranks[0].fetch.remote(f"{tag}-{i}", digests=True) for i in range(n)])
-        assert all("error" not in r for r in results)
+    return req_ids
 
 
 def test_batches_form_across_callers_and_user_config_sets_their_size(cluster):
     encoder = serve.get_deployment_handle("Encoder", app_name="epd")
     before = encoder.stats.remote().result()
-    _encode_concurrently(cluster, "batched", 24)
+    req_ids = _encode_concurrently(cluster, "batched", 24)
+    results = ray.get([cluster.ranks[0].fetch.remote(req_id, digests=True) for req_id in req_ids])
+    assert all("error" not in r for r in results)
     after = encoder.stats.remote().result()
     items, batches = after["items_encoded"] - before["items_encoded"], after["batches"] - before["batches"]
     assert items == 24 and batches < items  # several callers' items shared forward passes
@@ -54,7 +50,9 @@ def test_batches_form_across_callers_and_user_config_sets_their_size(cluster):
         with deployed(serve.RunTarget(app, name=name, route_prefix=f"/{name}")):
             unbatched = serve.get_deployment_handle("Encoder", app_name=name)
             assert unbatched.stats.remote().result()["max_batch_size"] == 1
-            _encode_concurrently(cluster, "unbatched", 8, app=name)
+            req_ids = _encode_concurrently(cluster, "unbatched", 8, prefix=f"/{name}")
+            # No rank of this app's registry: its requests are released by deleting them.
+            assert [cluster.http.delete(f"/{name}/v1/requests/{r}").status_code for r in req_ids] == [200] * 8
             stats = unbatched.stats.remote().result()
             assert stats["batches"] == stats["items_encoded"] == 8
     finally:
