@@ -6,7 +6,6 @@ SGLang's ``safe_pickle_loads`` does (``tests/sglang_frames.py``).
 """
 
 import concurrent.futures
-import hashlib
 import time
 import uuid
 
