@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import io
@@ -292,6 +293,60 @@ class RankActor:
         import sys
 
         return [m for m in modules if m in sys.modules]
+
+
+@dataclasses.dataclass
+class OwnApp:
+    """An app a test deployed for itself beside the suite's (``own_app``)."""
+
+    name: str  # its Serve app name; its HTTP API is under "/<name>"
+    registry: tuple[str, str]  # its registry's name and namespace
+    ranks: list  # RankActors of its registry
+
+    @property
+    def prefix(self) -> str:
+        return f"/{self.name}"
+
+    def stats(self) -> dict[str, int]:
+        return registry_stats(*self.registry)
+
+
+@contextlib.contextmanager
+def own_app(
+    app_args: dict[str, Any], options: dict[str, dict[str, Any]], tag: str, shards: int = 1, ranks: int = 0,
+    logging_config: Any = None,
+):
+    """An app of its own, for a test that needs another configuration than the suite's app:
+    ``app_args`` with a registry of ``shards`` shards of its own, and ``ranks`` RankActors
+    that fetch from it, and Serve's ``logging_config`` if given. A round trip of the suite's app would start its replicas twice
+    (``serve.run`` from Python starts new ones for any change).
+
+    On a normal exit its registry must be empty, as ``no_leaks`` asks of the suite's; then
+    the app, its registry and its ranks are removed."""
+    import uuid
+
+    from ray import serve
+
+    from deployments import compose_app
+    from registry import lookup_shards
+    from registry.errors import Unavailable
+
+    name = f"epd-{tag}-{uuid.uuid4().hex[:6]}"
+    registry = (f"{name}-registry", "epd")
+    app = compose_app({**app_args, "registry_name": registry[0], "registry_namespace": registry[1],
+                       "registry_shards": shards}, deployment_options=options)
+    actors = [RankActor.remote(r, *registry) for r in range(ranks)]
+    try:
+        with deployed(serve.RunTarget(app, name=name, route_prefix=f"/{name}", logging_config=logging_config)):
+            yield (deployed_app := OwnApp(name, registry, actors))
+            wait_until(lambda: (s := deployed_app.stats())["pending"] == 0 and s["staged"] == 0 and s["live_refs"] == 0,
+                       20, what=f"the registry of {name} to be empty")
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+        with contextlib.suppress(Unavailable):  # it never started
+            for shard in lookup_shards(*registry).handles:
+                ray.kill(shard)
 
 
 def _raw(tensor) -> bytes:

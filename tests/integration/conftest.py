@@ -66,7 +66,7 @@ def cluster(tmp_path_factory):
             "allowed_local_media_path": str(media_root),
             "api_token": API_TOKEN,  # every HTTP call of the suite carries it (Cluster.headers)
             # Every semantic test runs against a sharded registry; the apps tests deploy
-            # for themselves keep the default, one shard.
+            # for themselves have as many as they need (support.own_app).
             "registry_shards": REGISTRY_SHARDS,
         }
         serve.run(compose_app(app_args, deployment_options=deployment_options()), name="epd", route_prefix="/")

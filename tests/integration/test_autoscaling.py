@@ -13,8 +13,8 @@ import pytest
 import ray
 from ray import serve
 
-from deployments import BatchConfig, compose_app
-from support import DRAIN, MODEL_SPEC, deployment_options, image_bytes, image_item, reference_embedding, wait_until
+from deployments import BatchConfig
+from support import DRAIN, MODEL_SPEC, image_bytes, image_item, own_app, reference_embedding, wait_until
 
 # Serve's autoscaler, tuned to react within a second or two, on the items each replica holds
 # (several may ride in one call): one item per replica is the target, so eight clients ask
@@ -35,16 +35,20 @@ AUTOSCALING = {
 }
 
 
-def _running_encoders() -> int:
-    deployment = serve.status().applications["epd"].deployments["Encoder"]
-    return deployment.replica_states.get("RUNNING", 0)
+def _encoder_replicas(app) -> dict[str, int]:
+    return serve.status().applications[app.name].deployments["Encoder"].replica_states
+
+
+def _running_encoders(app) -> int:
+    return _encoder_replicas(app).get("RUNNING", 0)
 
 
 class _Traffic:
     """Clients that each encode a new image after another, until told to stop."""
 
-    def __init__(self, cluster):
+    def __init__(self, cluster, app):
         self._cluster = cluster
+        self._app = app
         self._seeds = itertools.count(8000)
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -67,7 +71,7 @@ class _Traffic:
                 with self._lock:
                     seed = next(self._seeds)
                 body = {"receive_count": 1, "items": [image_item(image_bytes(48, 48, seed=seed))]}
-                response = http.post("/v1/encode", json=body)
+                response = http.post(f"{self._app.prefix}/v1/encode", json=body)
                 req_id = response.json().get("req_id") if response.status_code == 200 else response.text
                 with self._lock:
                     self.answers.append((seed, response.status_code, req_id))
@@ -75,25 +79,23 @@ class _Traffic:
 
 @pytest.mark.slow
 def test_the_encoder_scales_up_and_down_under_traffic_and_loses_nothing(cluster):
-    traffic = _Traffic(cluster)
-    try:
-        serve.run(compose_app(cluster.app_args, deployment_options=AUTOSCALING), name="epd", route_prefix="/")
-        assert _running_encoders() == 1
-        # The count is read while the clients still run: once they stop, the second replica
-        # may already be on its way down (downscale_delay_s is one second).
-        traffic.run(8, until=lambda: _running_encoders() == 2)  # up, under eight clients
-        upscaled_after = len(traffic.answers)
-        traffic.run(1, until=lambda: _running_encoders() == 1)  # down, while one client goes on
-        replicas = lambda: serve.status().applications["epd"].deployments["Encoder"].replica_states  # noqa: E731
-        wait_until(lambda: replicas() == {"RUNNING": 1}, 60, what="the replica scaled down to stop")
-        traffic.run(1, until=lambda: len(traffic.answers) >= upscaled_after + 12)  # and on the one left
-        assert _running_encoders() == 1
-    finally:
-        serve.run(compose_app(cluster.app_args, deployment_options=deployment_options()), name="epd", route_prefix="/")
-        # Every staged entry, whichever replica encoded it and whether it still runs, is
-        # fetched whole in one batch; on a failure above too, so nothing stays staged.
-        staged = [req_id for _, status, req_id in traffic.answers if status == 200]
-        got = ray.get(cluster.ranks[0].fetch_many.remote(staged, 60.0))
+    with own_app(cluster.app_args, AUTOSCALING, "autoscaling", shards=2, ranks=1) as app:
+        traffic = _Traffic(cluster, app)
+        try:
+            assert _running_encoders(app) == 1
+            # The count is read while the clients still run: once they stop, the second replica
+            # may already be on its way down (downscale_delay_s is one second).
+            traffic.run(8, until=lambda: _running_encoders(app) == 2)  # up, under eight clients
+            upscaled_after = len(traffic.answers)
+            traffic.run(1, until=lambda: _running_encoders(app) == 1)  # down, while one client goes on
+            wait_until(lambda: _encoder_replicas(app) == {"RUNNING": 1}, 60, what="the replica scaled down to stop")
+            traffic.run(1, until=lambda: len(traffic.answers) >= upscaled_after + 12)  # and on the one left
+            assert _running_encoders(app) == 1
+        finally:
+            # Every staged entry, whichever replica encoded it and whether it still runs, is
+            # fetched whole in one batch; on a failure above too, so nothing stays staged.
+            staged = [req_id for _, status, req_id in traffic.answers if status == 200]
+            got = ray.get(app.ranks[0].fetch_many.remote(staged, 60.0))
 
     statuses = [status for _, status, _ in traffic.answers]
     assert statuses == [200] * len(statuses), [a for a in traffic.answers if a[1] != 200]

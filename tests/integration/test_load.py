@@ -15,12 +15,11 @@ import pytest
 import ray
 from ray import serve
 
-from deployments import compose_app
 from registry import lookup_shards
 from registry.errors import Overloaded, UnknownRequest
 from support import (
-    INLINE_OBJECT_LIMIT, MODEL_SPEC, deployment_options, image_bytes, image_item, object_refs_in_use, object_store_usage, reference_embedding, registry_stats,
-    wait_until,
+    INLINE_OBJECT_LIMIT, MODEL_SPEC, deployment_options, image_bytes, image_item, object_refs_in_use, object_store_usage, own_app,
+    reference_embedding, registry_stats, wait_until,
 )
 
 N_REQUESTS = 1000
@@ -106,91 +105,92 @@ BURST = 120
 def test_overload_past_the_limits_answers_only_overloaded_and_memory_stays_bounded(cluster, capsys):
     images = [image_bytes(224, 224, seed=5000 + i) for i in range(BURST)]
     bodies = [{"req_id": f"over-{i}", "receive_count": 1, "items": [image_item(d)]} for i, d in enumerate(images)]
-    plasma_before, _ = object_store_usage()
-    try:
-        serve.run(
-            compose_app({**cluster.app_args, **OVERLOAD_LIMITS}, deployment_options=deployment_options()),
-            name="epd", route_prefix="/",
-        )
-        wait_until(lambda: registry_stats()["max_staged_bytes"] == OVERLOAD_LIMITS["max_staged_bytes"], 30,
-                   what="the small limits to apply")
-
-        # 1. A burst nobody fetches: admitted until the limits, then refused.
-        async def burst():
-            async with _client(cluster, BURST) as client:
-                return await asyncio.gather(*(client.post("/v1/encode", json=b) for b in bodies))
-
-        first = asyncio.run(burst())
-        codes = [r.status_code for r in first]
-        assert set(codes) == {200, 429}, codes
-        for response in first:
-            if response.status_code == 429:
-                assert response.json()["error"]["code"] == "overloaded"
-                assert int(response.headers["Retry-After"]) >= 1
-        stats = registry_stats()
-        # Nothing was fetched, so what is staged now is the peak. Admission projects the
-        # pending requests at the mean entry size, so the staged bytes can pass the limit
-        # by at most the entries that were pending at once.
-        bound = OVERLOAD_LIMITS["max_staged_bytes"] + OVERLOAD_LIMITS["max_pending_requests"] * ENTRY_BYTES
-        assert stats["staged"] == codes.count(200) and stats["staged_bytes"] <= bound
-        # The request bodies in flight (in the object store as call arguments) are freed as
-        # the calls end; what stays is the staged bytes, within the bound.
-        # Freeing is asynchronous (each owner tells the store), so give it time on a slow machine;
-        # the bytes still in use show in the message if it never comes down.
-        def growth():
-            return object_store_usage()[0] - plasma_before
-
+    # The suite's app with small limits, in an app of its own (with as many registry shards,
+    # which split the limits between them).
+    app_args = {**cluster.app_args, **OVERLOAD_LIMITS}
+    with own_app(app_args, deployment_options(), "overload", shards=cluster.app_args["registry_shards"], ranks=1) as app:
+        assert app.stats()["max_staged_bytes"] == OVERLOAD_LIMITS["max_staged_bytes"]
         try:
-            in_store = wait_until(lambda: (used := growth()) <= 1.1 * bound and max(used, 1), 60)
-        except AssertionError:
-            raise AssertionError(f"object store use {growth()} bytes over its level before the burst, "
-                                 f"bound 1.1 x {bound}; registry {registry_stats()}; referenced (bytes, holders): "
-                                 f"{[v for v in object_refs_in_use().values() if v[0] > INLINE_OBJECT_LIMIT]}") from None
-        # The Python handle answers the same code once the staged bytes are at their limit. On a
-        # busy machine the burst's refusals can all come from the pending-requests limit, with
-        # the staged bytes still under theirs: then the first refused ones fit, up to the limit.
-        handle = serve.get_app_handle("epd")
-        with pytest.raises(Overloaded):
-            for i in [i for i, c in enumerate(codes) if c == 429]:
-                handle.encode.remote(bodies[i]).result()
-                codes[i] = 200  # it fitted: fetched below with the others
+            _overload(cluster, app, bodies, capsys)
+        finally:
+            # Whatever happened above, leave no entry behind for the next test to trip over.
+            shards = lookup_shards(*app.registry)
+            for ref in [shards.of(b["req_id"]).cancel.remote(b["req_id"]) for b in bodies]:
+                try:
+                    ray.get(ref)
+                except UnknownRequest:  # refused and never retried
+                    pass
 
-        # 2. Nothing is lost: once a rank fetches, clients that honour Retry-After get through.
-        refused = [b for b, c in zip(bodies, codes) if c == 429]
-        admitted = [b["req_id"] for b, c in zip(bodies, codes) if c == 200]
 
-        async def drain_and_retry():
-            async def until_served(client, body):
-                fetch = cluster.ranks[0].fetch.remote(body["req_id"], timeout_s=120, digests=True)
-                refusals = 0
-                while (response := await client.post("/v1/encode", json=body)).status_code == 429:
-                    refusals += 1
-                    await asyncio.sleep(float(response.headers["Retry-After"]))
-                assert response.status_code == 200, response.text
-                return await fetch, refusals
+def _overload(cluster, app, bodies, capsys):
+    plasma_before, _ = object_store_usage()
 
-            fetched = [cluster.ranks[0].fetch.remote(r, timeout_s=60, digests=True) for r in admitted]
-            async with _client(cluster, BURST) as client:
-                retried = await asyncio.gather(*(until_served(client, b) for b in refused))
-            return await asyncio.gather(*fetched), retried
+    # 1. A burst nobody fetches: admitted until the limits, then refused.
+    async def burst():
+        async with _client(cluster, BURST) as client:
+            return await asyncio.gather(*(client.post(f"{app.prefix}/v1/encode", json=b) for b in bodies))
 
-        fetched, retried = asyncio.run(drain_and_retry())
-        assert [r.get("error") for r in fetched] + [r.get("error") for r, _ in retried] == [None] * BURST
-        with capsys.disabled():
-            print(
-                f"\n[overload] burst of {BURST} with limits {OVERLOAD_LIMITS}: {codes.count(200)} admitted, "
-                f"{codes.count(429)} refused with 429 overloaded; staged bytes {stats['staged_bytes']} "
-                f"(bound {bound}); object store +{in_store} bytes; all {len(refused)} refused ones served "
-                f"after {sum(n for _, n in retried)} more refusals"
-            )
-    finally:
-        # Whatever happened above, leave no entry behind for the next test to trip over.
-        shards = lookup_shards()
-        for ref in [shards.of(b["req_id"]).cancel.remote(b["req_id"]) for b in bodies]:
-            try:
-                ray.get(ref)
-            except UnknownRequest:  # refused and never retried
-                pass
-        serve.run(compose_app(cluster.app_args, deployment_options=deployment_options()), name="epd", route_prefix="/")
-        wait_until(lambda: registry_stats()["max_staged_bytes"] > OVERLOAD_LIMITS["max_staged_bytes"], 30,
-                   what="the suite's limits back")
+    first = asyncio.run(burst())
+    codes = [r.status_code for r in first]
+    assert set(codes) == {200, 429}, codes
+    for response in first:
+        if response.status_code == 429:
+            assert response.json()["error"]["code"] == "overloaded"
+            assert int(response.headers["Retry-After"]) >= 1
+    stats = app.stats()
+    # Nothing was fetched, so what is staged now is the peak. Admission projects the
+    # pending requests at the mean entry size, so the staged bytes can pass the limit
+    # by at most the entries that were pending at once.
+    bound = OVERLOAD_LIMITS["max_staged_bytes"] + OVERLOAD_LIMITS["max_pending_requests"] * ENTRY_BYTES
+    assert stats["staged"] == codes.count(200) and stats["staged_bytes"] <= bound
+    # The request bodies in flight (in the object store as call arguments) are freed as
+    # the calls end; what stays is the staged bytes, within the bound.
+    # Freeing is asynchronous (each owner tells the store), so give it time on a slow machine;
+    # the bytes still in use show in the message if it never comes down.
+    def growth():
+        return object_store_usage()[0] - plasma_before
+
+    try:
+        in_store = wait_until(lambda: (used := growth()) <= 1.1 * bound and max(used, 1), 60)
+    except AssertionError:
+        raise AssertionError(f"object store use {growth()} bytes over its level before the burst, "
+                             f"bound 1.1 x {bound}; registry {app.stats()}; referenced (bytes, holders): "
+                             f"{[v for v in object_refs_in_use().values() if v[0] > INLINE_OBJECT_LIMIT]}") from None
+    # The Python handle answers the same code once the staged bytes are at their limit. On a
+    # busy machine the burst's refusals can all come from the pending-requests limit, with
+    # the staged bytes still under theirs: then the first refused ones fit, up to the limit.
+    handle = serve.get_app_handle(app.name)
+    with pytest.raises(Overloaded):
+        for i in [i for i, c in enumerate(codes) if c == 429]:
+            handle.encode.remote(bodies[i]).result()
+            codes[i] = 200  # it fitted: fetched below with the others
+
+    # 2. Nothing is lost: once a rank fetches, clients that honour Retry-After get through.
+    refused = [b for b, c in zip(bodies, codes) if c == 429]
+    admitted = [b["req_id"] for b, c in zip(bodies, codes) if c == 200]
+
+    async def drain_and_retry():
+        async def until_served(client, body):
+            fetch = app.ranks[0].fetch.remote(body["req_id"], timeout_s=120, digests=True)
+            refusals = 0
+            while (response := await client.post(f"{app.prefix}/v1/encode", json=body)).status_code == 429:
+                refusals += 1
+                await asyncio.sleep(float(response.headers["Retry-After"]))
+            assert response.status_code == 200, response.text
+            return await fetch, refusals
+
+        fetched = [app.ranks[0].fetch.remote(r, timeout_s=60, digests=True) for r in admitted]
+        async with _client(cluster, BURST) as client:
+            retried = await asyncio.gather(*(until_served(client, b) for b in refused))
+        return await asyncio.gather(*fetched), retried
+
+    fetched, retried = asyncio.run(drain_and_retry())
+    assert [r.get("error") for r in fetched] + [r.get("error") for r, _ in retried] == [None] * BURST
+    with capsys.disabled():
+        print(
+            f"\n[overload] burst of {BURST} with limits {OVERLOAD_LIMITS}: {codes.count(200)} admitted, "
+            f"{codes.count(429)} refused with 429 overloaded; staged bytes {stats['staged_bytes']} "
+            f"(bound {bound}); object store +{in_store} bytes; all {len(refused)} refused ones served "
+            f"after {sum(n for _, n in retried)} more refusals"
+        )
+

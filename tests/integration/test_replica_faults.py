@@ -13,8 +13,8 @@ import pytest
 import ray
 from ray import serve
 
-from deployments import BatchConfig, compose_app
-from support import DRAIN, MODEL_SPEC, deployment_options, image_bytes, image_item, reference_embedding, registry_stats, wait_until
+from deployments import BatchConfig
+from support import DRAIN, MODEL_SPEC, image_bytes, image_item, own_app, reference_embedding, wait_until
 
 # Two replicas that hold every item for five seconds before a forward pass, so a
 # kill or a client's departure lands while items sit in a batch.
@@ -42,63 +42,64 @@ def _replicas(encoder, want: int) -> dict[int, dict]:
 
 
 @pytest.fixture(scope="module")
-def slow_encoders(cluster):
-    """The app with TWO_SLOW_REPLICAS while this module's tests run."""
-    serve.run(compose_app(cluster.app_args, deployment_options=TWO_SLOW_REPLICAS), name="epd", route_prefix="/")
-    encoder = serve.get_deployment_handle("Encoder", app_name="epd")
-    _replicas(encoder, 2)
-    yield encoder
-    serve.run(compose_app(cluster.app_args, deployment_options=deployment_options()), name="epd", route_prefix="/")
+def slow(cluster):
+    """An app of its own with TWO_SLOW_REPLICAS, a registry of two shards and one rank, for
+    this module's tests that need them; yields it and its Encoder's handle."""
+    with own_app(cluster.app_args, TWO_SLOW_REPLICAS, "slow", shards=2, ranks=1) as app:
+        encoder = serve.get_deployment_handle("Encoder", app_name=app.name)
+        _replicas(encoder, 2)
+        yield app, encoder
 
 
-def _wait_cancelled(cluster, req_id):
+def _wait_cancelled(cluster, app, req_id):
     seen = []
     try:
-        wait_until(lambda: seen.append(cluster.http.get(f"/v1/requests/{req_id}").json()) or
+        wait_until(lambda: seen.append(cluster.http.get(f"{app.prefix}/v1/requests/{req_id}").json()) or
                    seen[-1].get("state") == "cancelled", 4, what=f"{req_id} to be cancelled")
     except AssertionError:
         raise AssertionError(f"{req_id} was not cancelled within 4 s; last seen: {seen[-1]}") from None
 
 
-def test_client_gone_before_staging_cancels_the_request_and_nothing_is_staged(cluster, slow_encoders):
+def test_client_gone_before_staging_cancels_the_request_and_nothing_is_staged(cluster, slow):
+    app, _ = slow
     body = {"req_id": "gone-http", "receive_count": 1, "items": [image_item(image_bytes(128, 128, seed=320))]}
-    waiting_rank = cluster.ranks[0].fetch.remote("gone-http", timeout_s=30)
+    waiting_rank = app.ranks[0].fetch.remote("gone-http", timeout_s=30)
     with pytest.raises(httpx.ReadTimeout):  # the client gives up while the item waits for its batch
-        httpx.post(cluster.url + "/v1/encode", json=body, headers=cluster.headers, timeout=1.0)
+        httpx.post(f"{cluster.url}{app.prefix}/v1/encode", json=body, headers=cluster.headers, timeout=1.0)
     gone_at = time.monotonic()
-    _wait_cancelled(cluster, "gone-http")
+    _wait_cancelled(cluster, app, "gone-http")
     assert ray.get(waiting_rank)["error"] == "cancelled"  # its rank is told, not left waiting
     assert time.monotonic() - gone_at < 5
 
     # The same through the Python handle: a caller that cancels its call, while another
     # request for the same image shares that item's encode and must not lose it.
-    handle = serve.get_app_handle("epd")
+    handle = serve.get_app_handle(app.name)
     response = handle.encode.remote({**body, "req_id": "gone-handle"})
-    wait_until(lambda: registry_stats()["pending"] == 1, 10, what="the request to reach the registry")
+    wait_until(lambda: app.stats()["pending"] == 1, 10, what="the request to reach the registry")
     stays = handle.encode.remote({**body, "req_id": "stays"})
-    wait_until(lambda: registry_stats()["pending"] == 2, 10, what="the second request to reach the registry")
+    wait_until(lambda: app.stats()["pending"] == 2, 10, what="the second request to reach the registry")
     response.cancel()
-    _wait_cancelled(cluster, "gone-handle")
+    _wait_cancelled(cluster, app, "gone-handle")
     assert stays.result(timeout_s=30)["state"] == "staged"
-    assert "error" not in ray.get(cluster.ranks[0].fetch.remote("stays"))
+    assert "error" not in ray.get(app.ranks[0].fetch.remote("stays"))
 
     # The items' encodes were stopped, not staged: once nothing is encoding, nothing is there.
-    wait_until(lambda: (s := registry_stats())["encodes_in_flight"] == 0 and s["item_encodes_in_flight"] == 0, 20,
+    wait_until(lambda: (s := app.stats())["encodes_in_flight"] == 0 and s["item_encodes_in_flight"] == 0, 20,
                what="no encode in flight")
-    stats = registry_stats()
+    stats = app.stats()
     assert (stats["staged"], stats["pending"]) == (0, 0)
-    assert cluster.http.get("/v1/requests/gone-http").json()["state"] == "cancelled"
+    assert cluster.http.get(f"{app.prefix}/v1/requests/gone-http").json()["state"] == "cancelled"
 
 
-def test_replica_killed_mid_batch_its_items_are_encoded_on_another_replica(cluster, slow_encoders):
-    encoder = slow_encoders
+def test_replica_killed_mid_batch_its_items_are_encoded_on_another_replica(cluster, slow):
+    app, encoder = slow
     images = [image_bytes(128, 128, seed=300 + i) for i in range(8)]
     bodies = [{"req_id": f"midbatch-{i}", "receive_count": 1, "items": [image_item(d)]} for i, d in enumerate(images)]
-    retries_before = registry_stats()["replica_retries_total"]
+    retries_before = app.stats()["replica_retries_total"]
 
     async def encode_all():
         async with httpx.AsyncClient(base_url=cluster.url, timeout=60, headers=cluster.headers) as client:
-            return await asyncio.gather(*(client.post("/v1/encode", json=b) for b in bodies))
+            return await asyncio.gather(*(client.post(f"{app.prefix}/v1/encode", json=b) for b in bodies))
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         pending = pool.submit(asyncio.run, encode_all())
@@ -107,7 +108,7 @@ def test_replica_killed_mid_batch_its_items_are_encoded_on_another_replica(clust
             lambda: [pid for pid, s in _replicas(encoder, 2).items() if s["items_in_progress"] > 0],
             20, what="items to reach the replicas",
         )
-        wait_until(lambda: registry_stats()["item_encodes_in_flight"] == len(bodies), 10, what="all items in flight")
+        wait_until(lambda: app.stats()["item_encodes_in_flight"] == len(bodies), 10, what="all items in flight")
         os.kill(busy[0], signal.SIGKILL)
         killed_at = time.monotonic()
         responses = pending.result(timeout=120)
@@ -115,8 +116,8 @@ def test_replica_killed_mid_batch_its_items_are_encoded_on_another_replica(clust
     assert [r.status_code for r in responses] == [200] * len(bodies), [r.json() for r in responses]
     assert all(r.json()["state"] == "staged" for r in responses)
     assert answered_in < 25  # the retry waits one batch window on the other replica, not a timeout
-    assert registry_stats()["replica_retries_total"] > retries_before
-    results = ray.get([cluster.ranks[0].fetch.remote(b["req_id"], digests=True) for b in bodies])
+    assert app.stats()["replica_retries_total"] > retries_before
+    results = ray.get([app.ranks[0].fetch.remote(b["req_id"], digests=True) for b in bodies])
     expected = [[hashlib.sha256(reference_embedding(d, **MODEL_SPEC).tobytes()).hexdigest()] for d in images]
     assert [r.get("bytes", r) for r in results] == expected
 
