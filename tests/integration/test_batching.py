@@ -1,14 +1,12 @@
 """Dynamic batching across callers, and its settings given through user_config."""
 
 import asyncio
-import uuid
 
 import httpx
 import ray
 from ray import serve
 
-from deployments import compose_app
-from support import deployed, deployment_options, image_bytes, image_item
+from support import deployment_options, image_bytes, image_item, own_app
 
 
 def _encode_concurrently(cluster, tag, n, prefix=""):
@@ -40,20 +38,12 @@ def test_batches_form_across_callers_and_user_config_sets_their_size(cluster):
     assert items == 24 and batches < items  # several callers' items shared forward passes
     assert after["max_batch_size"] == 8
 
-    # Another user_config, another batch size: in an app of its own, since serve.run from
-    # Python starts new replicas for it (`serve deploy` of a changed config file reconfigures
-    # the running ones), and the suite's app there and back would start them twice.
-    name = f"epd-unbatched-{uuid.uuid4().hex[:6]}"
-    registry = {"registry_name": f"{name}-registry", "registry_namespace": "epd", "registry_shards": 1}
-    app = compose_app({**cluster.app_args, **registry}, deployment_options=deployment_options(max_batch_size=1))
-    try:
-        with deployed(serve.RunTarget(app, name=name, route_prefix=f"/{name}")):
-            unbatched = serve.get_deployment_handle("Encoder", app_name=name)
-            assert unbatched.stats.remote().result()["max_batch_size"] == 1
-            req_ids = _encode_concurrently(cluster, "unbatched", 8, prefix=f"/{name}")
-            # No rank of this app's registry: its requests are released by deleting them.
-            assert [cluster.http.delete(f"/{name}/v1/requests/{r}").status_code for r in req_ids] == [200] * 8
-            stats = unbatched.stats.remote().result()
-            assert stats["batches"] == stats["items_encoded"] == 8
-    finally:
-        ray.kill(ray.get_actor(registry["registry_name"], namespace="epd"))
+    # Another user_config, another batch size: in an app of its own (``own_app``).
+    with own_app(cluster.app_args, deployment_options(max_batch_size=1), "unbatched") as app:
+        unbatched = serve.get_deployment_handle("Encoder", app_name=app.name)
+        assert unbatched.stats.remote().result()["max_batch_size"] == 1
+        req_ids = _encode_concurrently(cluster, "unbatched", 8, prefix=app.prefix)
+        # No rank of this app's registry: its requests are released by deleting them.
+        assert [cluster.http.delete(f"{app.prefix}/v1/requests/{r}").status_code for r in req_ids] == [200] * 8
+        stats = unbatched.stats.remote().result()
+        assert stats["batches"] == stats["items_encoded"] == 8

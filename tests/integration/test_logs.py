@@ -11,7 +11,7 @@ import ray
 from ray import serve
 
 from deployments import compose_app
-from support import APP_ARGS, deployment_options, image_bytes, image_item, log_lines_since, log_offsets, wait_until
+from support import APP_ARGS, deployment_options, image_bytes, image_item, log_lines_since, log_offsets, own_app, wait_until
 
 
 def lines_naming(req_id, offsets):
@@ -57,17 +57,10 @@ def test_a_refusal_by_the_ingress_itself_is_logged_there_once(cluster):
 def test_logging_config_json_debug_gives_json_lines_that_trace_a_req_id(cluster):
     from ray.serve.schema import LoggingConfig
 
-    from support import RankActor
-
-    name = f"epd-json-{uuid.uuid4().hex[:6]}"
-    registry = {"registry_name": f"{name}-registry", "registry_namespace": "epd"}
-    args = {**APP_ARGS, **registry, "api_token": cluster.app_args["api_token"]}
-    serve.run(
-        compose_app(args, deployment_options=deployment_options()), name=name, route_prefix=f"/{name}",
-        logging_config=LoggingConfig(encoding="JSON", log_level="DEBUG"),
-    )
-    rank = RankActor.remote(0, registry["registry_name"], registry["registry_namespace"])
-    try:
+    args = {**APP_ARGS, "api_token": cluster.app_args["api_token"]}
+    logging = LoggingConfig(encoding="JSON", log_level="DEBUG")
+    with own_app(args, deployment_options(), "json", ranks=1, logging_config=logging) as app:
+        name, rank = app.name, app.ranks[0]
         offsets = log_offsets()
         # Refused by the Ingress: one JSON line in its Serve log.
         refused = f"json-{uuid.uuid4().hex[:8]}"
@@ -106,21 +99,16 @@ def test_logging_config_json_debug_gives_json_lines_that_trace_a_req_id(cluster)
         by_deployment = {(r.get("deployment"), r["message"].split(": ", 1)[0]) for r in serve_records}
         assert (f"{name}_Ingress", f"req_id={served} received") in by_deployment, serve_records
         assert (f"{name}_Encoder", f"req_id={served} encoded") in by_deployment, serve_records
-    finally:
-        ray.kill(rank)
-        serve.delete(name)
-        ray.kill(ray.get_actor(registry["registry_name"], namespace="epd"))
 
 
 @pytest.mark.slow
 def test_an_encode_failure_leaves_one_error_line_with_req_id_code_and_the_model_s_exception(cluster):
     # A misconfigured tower: it loads, and every forward pass raises (its position table is
     # built for a width divisible by 4, its patches are 130 wide).
-    name = f"epd-broken-{uuid.uuid4().hex[:6]}"
-    args = {**APP_ARGS, "registry_name": f"{name}-registry", "api_token": cluster.app_args["api_token"],
+    args = {**APP_ARGS, "api_token": cluster.app_args["api_token"],
             "model": {"family": "tiny-vit", "options": {"hidden_size": 130, "num_heads": 2}}}
-    serve.run(compose_app(args, deployment_options=deployment_options()), name=name, route_prefix=f"/{name}")
-    try:
+    with own_app(args, deployment_options(), "broken") as app:
+        name = app.name
         offsets = log_offsets()
         req_id = f"broken-{uuid.uuid4().hex[:8]}"
         response = cluster.http.post(f"/{name}/v1/encode", json={"req_id": req_id, "items": [image_item(image_bytes(32, 32, seed=54))]})
@@ -133,9 +121,6 @@ def test_an_encode_failure_leaves_one_error_line_with_req_id_code_and_the_model_
         # The model's exception itself, not Ray's wrapper of it.
         assert "code=encode_failed: items[0]: RuntimeError: The size of tensor a (130)" in record, record
         assert "RayTaskError" not in record
-    finally:
-        serve.delete(name)
-        ray.kill(ray.get_actor(f"{name}-registry", namespace="epd"))
 
 
 @pytest.mark.slow

@@ -14,12 +14,10 @@ import ray
 import safetensors
 import safetensors.torch
 import torch
-from ray import serve
 
-from deployments import compose_app
 from registry.errors import Unauthorized
 from registry.client.zmq_receiver import ZmqEmbeddingReceiver
-from support import MODEL_SPEC, deployment_options, image_bytes, image_item, reference_embedding, wait_until
+from support import MODEL_SPEC, deployment_options, image_bytes, image_item, own_app, reference_embedding, wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # One item under the inline limit (it rides in the registry's reply), one over it (read from the store).
@@ -191,12 +189,8 @@ def test_a_push_endpoint_outside_the_policy_is_refused_and_nothing_counts(cluste
 
 @pytest.fixture
 def short_ttl_app(cluster):
-    name = f"epd-ttl-{uuid.uuid4().hex[:6]}"
-    args = {**cluster.app_args, "registry_name": f"{name}-registry", "registry_shards": 1, "ttl_s": 2.0}
-    serve.run(compose_app(args, deployment_options=deployment_options()), name=name, route_prefix=f"/{name}")
-    yield f"/{name}"
-    serve.delete(name)
-    ray.kill(ray.get_actor(f"{name}-registry", namespace="epd"))
+    with own_app({**cluster.app_args, "ttl_s": 2.0}, deployment_options(), "ttl") as app:
+        yield app.prefix
 
 
 @pytest.mark.slow
