@@ -200,6 +200,11 @@ def registry_stats(name: str | None = None, namespace: str | None = None) -> dic
     return sum_stats(ray.get([shard.stats.remote() for shard in lookup_shards(name, namespace).handles]))
 
 
+def holds_nothing(stats: dict[str, int]) -> bool:
+    """Whether a registry with these ``stats`` holds no request, no staged entry and no ref."""
+    return stats["pending"] == 0 and stats["staged"] == 0 and stats["live_refs"] == 0
+
+
 def wait_until(condition: Callable[[], Any], timeout_s: float = 15.0, interval_s: float = 0.1, what: str = "") -> Any:
     """Poll ``condition`` until it is truthy (tests only: the product never polls)."""
     deadline = time.monotonic() + timeout_s
@@ -316,10 +321,11 @@ def own_app(
     app_args: dict[str, Any], options: dict[str, dict[str, Any]], tag: str, shards: int = 1, ranks: int = 0,
     logging_config: Any = None,
 ):
-    """An app of its own, for a test that needs another configuration than the suite's app:
-    ``app_args`` with a registry of ``shards`` shards of its own, and ``ranks`` RankActors
-    that fetch from it, and Serve's ``logging_config`` if given. A round trip of the suite's app would start its replicas twice
-    (``serve.run`` from Python starts new ones for any change).
+    """An app of its own, for a test that needs another configuration than the suite's:
+    ``app_args`` with a registry of ``shards`` shards of its own, ``ranks`` RankActors that
+    fetch from it, and Serve's ``logging_config`` if given. (Redeploying the suite's app and
+    back would start its replicas twice: ``serve.run`` from Python starts new ones for any
+    change.)
 
     On a normal exit its registry must be empty, as ``no_leaks`` asks of the suite's; then
     the app, its registry and its ranks are removed."""
@@ -339,8 +345,7 @@ def own_app(
     try:
         with deployed(serve.RunTarget(app, name=name, route_prefix=f"/{name}", logging_config=logging_config)):
             yield (deployed_app := OwnApp(name, registry, actors))
-            wait_until(lambda: (s := deployed_app.stats())["pending"] == 0 and s["staged"] == 0 and s["live_refs"] == 0,
-                       20, what=f"the registry of {name} to be empty")
+            wait_until(lambda: holds_nothing(deployed_app.stats()), 20, what=f"the registry of {name} to be empty")
     finally:
         for actor in actors:
             ray.kill(actor)

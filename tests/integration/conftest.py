@@ -18,7 +18,10 @@ from ray import serve
 
 from benchmarks.cluster import free_port, on_pythonpath, serve_http
 from deployments import compose_app
-from support import APP_ARGS, COLLECT_EVERY_SECOND, RankActor, deployment_options, image_bytes, media_server, registry_stats, stored_objects, wait_until
+from support import (
+    APP_ARGS, COLLECT_EVERY_SECOND, RankActor, deployment_options, holds_nothing, image_bytes, media_server, registry_stats, stored_objects,
+    wait_until,
+)
 
 
 @dataclasses.dataclass
@@ -92,10 +95,7 @@ def no_leaks(cluster):
     before = stored_objects().keys()
     yield
     gc.collect()
-    wait_until(
-        lambda: (s := registry_stats())["pending"] == 0 and s["staged"] == 0 and s["live_refs"] == 0,
-        20, what="the registry to be empty",
-    )
+    wait_until(lambda: holds_nothing(registry_stats()), 20, what="the registry to be empty")
     # A leak is an object the test made that something still references. Most tests leave
     # none, and are passed without a cluster-wide garbage collection (a round costs every
     # worker a collection); one that failed a request leaves refs in reference cycles,
