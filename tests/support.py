@@ -205,6 +205,27 @@ def holds_nothing(stats: dict[str, int]) -> bool:
     return stats["pending"] == 0 and stats["staged"] == 0 and stats["live_refs"] == 0
 
 
+def cancel_live_entries(name: str | None = None, namespace: str | None = None) -> list[tuple[str, str]]:
+    """Cancel every pending and staged entry of a registry; answers ``(req_id, state)`` of each.
+
+    A test that fails halfway leaves what it staged; cancelling it keeps that one failure
+    from failing every later test's leak check too."""
+    from registry import lookup_shards
+    from registry.states import LIVE_STATES
+
+    left = []
+    for shard in lookup_shards(name, namespace).handles:
+        for state in LIVE_STATES:
+            page = {"requests": [], "more": True}
+            while page["more"]:
+                after = page["requests"][-1]["req_id"] if page["requests"] else None
+                page = ray.get(shard.list_requests.remote(state, after, 100))
+                for entry in page["requests"]:
+                    ray.get(shard.cancel.remote(entry["req_id"]))
+                    left.append((entry["req_id"], entry["state"]))
+    return left
+
+
 def wait_until(condition: Callable[[], Any], timeout_s: float = 15.0, interval_s: float = 0.1, what: str = "") -> Any:
     """Poll ``condition`` until it is truthy (tests only: the product never polls)."""
     deadline = time.monotonic() + timeout_s

@@ -19,7 +19,7 @@ from ray import serve
 from benchmarks.cluster import free_port, on_pythonpath, serve_http
 from deployments import compose_app
 from support import (
-    APP_ARGS, COLLECT_EVERY_SECOND, RankActor, deployment_options, holds_nothing, image_bytes, media_server, registry_stats, stored_objects,
+    APP_ARGS, COLLECT_EVERY_SECOND, RankActor, cancel_live_entries, deployment_options, holds_nothing, image_bytes, media_server, registry_stats, stored_objects,
     wait_until,
 )
 
@@ -95,7 +95,11 @@ def no_leaks(cluster):
     before = stored_objects().keys()
     yield
     gc.collect()
-    wait_until(lambda: holds_nothing(registry_stats()), 20, what="the registry to be empty")
+    try:
+        wait_until(lambda: holds_nothing(registry_stats()), 20, what="the registry to be empty")
+    except AssertionError:
+        held = {key: registry_stats()[key] for key in ("pending", "staged", "live_refs")}
+        raise AssertionError(f"the registry is not empty: {held}; its live (req_id, state), now cancelled: {cancel_live_entries()}") from None
     # A leak is an object the test made that something still references. Most tests leave
     # none, and are passed without a cluster-wide garbage collection (a round costs every
     # worker a collection); one that failed a request leaves refs in reference cycles,
