@@ -58,8 +58,9 @@ class Plan:
 QUICK = Plan(
     mode="quick", fetch_rounds=2, staging_rounds=2, raw_calls=300, lifecycles=40, registry_concurrency=(16,),
     scale_rounds=2, scale_batch=4, ingress_lifecycles=40, ingress_concurrency=(16,), ingress_rounds=1, memory_burst=8,
-    # Concurrency 2 is also the in-process batch: a quarter of the ViT-B passes of 8.
-    e2e_concurrency=(2,), e2e_window_s=1.0, e2e_warmup_s=0.2, e2e_warmup_images=1, inprocess_s=0.3, image_pool=32,
+    # Concurrency 1 is also the in-process batch: on CPU a bf16 ViT-B pass takes about a
+    # second per image, so every image less per window and pass is seconds off the run.
+    e2e_concurrency=(1,), e2e_window_s=1.0, e2e_warmup_s=0.2, e2e_warmup_images=1, inprocess_s=0.3, image_pool=32,
     blocking_cleanup=False,
 )
 
