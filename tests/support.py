@@ -176,8 +176,8 @@ def stored_objects(collect: bool = False) -> dict[bytes, tuple[int, list[str]]]:
     cluster references, Serve's control plane aside: id -> (bytes, holders).
 
     ``collect`` runs the garbage collector in every worker first: refs caught in reference
-    cycles (a failed request's inputs, in the frames its exception holds; Serve's router
-    keeps some failed calls to a dead replica in them) are garbage a busy process collects
+    cycles (Serve's router keeps some failed calls to a dead replica in them) are garbage
+    a busy process collects
     on its own, not leaks. Ray runs it in a worker at most once per
     ``local_gc_min_interval_s`` (see ``COLLECT_EVERY_SECOND``): a request made sooner is
     carried out then.
@@ -203,27 +203,6 @@ def registry_stats(name: str | None = None, namespace: str | None = None) -> dic
 def holds_nothing(stats: dict[str, int]) -> bool:
     """Whether a registry with these ``stats`` holds no request, no staged entry and no ref."""
     return stats["pending"] == 0 and stats["staged"] == 0 and stats["live_refs"] == 0
-
-
-def cancel_live_entries(name: str | None = None, namespace: str | None = None) -> list[tuple[str, str]]:
-    """Cancel every pending and staged entry of a registry; answers ``(req_id, state)`` of each.
-
-    A test that fails halfway leaves what it staged; cancelling it keeps that one failure
-    from failing every later test's leak check too."""
-    from registry import lookup_shards
-    from registry.states import LIVE_STATES
-
-    left = []
-    for shard in lookup_shards(name, namespace).handles:
-        for state in LIVE_STATES:
-            page = {"requests": [], "more": True}
-            while page["more"]:
-                after = page["requests"][-1]["req_id"] if page["requests"] else None
-                page = ray.get(shard.list_requests.remote(state, after, 100))
-                for entry in page["requests"]:
-                    ray.get(shard.cancel.remote(entry["req_id"]))
-                    left.append((entry["req_id"], entry["state"]))
-    return left
 
 
 def wait_until(condition: Callable[[], Any], timeout_s: float = 15.0, interval_s: float = 0.1, what: str = "") -> Any:
