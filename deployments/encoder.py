@@ -180,3 +180,8 @@ async def _outcome(task: asyncio.Future) -> EncodedItem | RegistryError:
         return exc.fresh()
     except Exception as exc:  # noqa: BLE001 - one item's failure is reported, not raised
         return EncodeFailed(f"{type(exc).__name__}: {exc}")
+    finally:
+        # Re-raised here, the task's exception keeps this frame in its traceback; with the
+        # task still in it, that is a reference cycle, which pinned the item's bytes (the
+        # frames of its failed encode) until a garbage collection.
+        del task

@@ -79,3 +79,53 @@ def object_refs_in_use() -> dict[bytes, tuple[int, list[str]]]:
                 size, holders = refs.get(ref.object_id, (-1, []))
                 refs[ref.object_id] = (max(size, ref.object_size), [*holders, f"{holder}:{worker.pid}"])
     return refs
+
+
+def _pause_collection(_instance: Any) -> None:
+    import gc
+
+    gc.collect()
+    gc.disable()
+
+
+def _garbage_frames(_instance: Any, folders: tuple[str, ...]) -> list[str]:
+    """The frames of code under ``folders`` that only a collection would free; collection on again."""
+    import gc
+    import os
+    import types
+
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        gc.collect()
+        frames = sorted({f"{os.path.basename(o.f_code.co_filename)}:{o.f_code.co_name}" for o in gc.garbage
+                         if isinstance(o, types.FrameType) and any(f"/{d}/" in o.f_code.co_filename for d in folders)})
+    finally:
+        gc.garbage.clear()
+        gc.set_debug(0)
+        gc.enable()
+    return frames
+
+
+class CycleWatch:
+    """Reference cycles that actors' code leaves: ``pause()`` collects and turns each actor's
+    garbage collector off (``__ray_call__`` runs a function in the actor's process);
+    ``frames()`` then lists the frames of project code (``folders``) in what a collection
+    finds unreachable, and turns it on again. With the collector off, a cycle cannot be
+    freed by a collection that happened to run in between."""
+
+    def __init__(self, actors: list[Any], folders: tuple[str, ...] = ("deployments", "registry", "encoder")):
+        self.actors, self.folders = actors, folders
+
+    @classmethod
+    def of_app(cls, app: str, deployments: tuple[str, ...], others: tuple[Any, ...] = ()) -> "CycleWatch":
+        """The replicas of ``deployments`` of Serve app ``app``, and ``others``."""
+        prefixes = tuple(f"SERVE_REPLICA::{app}#{deployment}#" for deployment in deployments)
+        replicas = [ray.get_actor(a["name"], namespace=a["namespace"]) for a in ray.util.list_named_actors(all_namespaces=True)
+                    if a["name"].startswith(prefixes)]
+        return cls([*replicas, *others])
+
+    def pause(self) -> None:
+        ray.get([actor.__ray_call__.remote(_pause_collection) for actor in self.actors])
+
+    def frames(self) -> list[list[str]]:
+        return ray.get([actor.__ray_call__.remote(_garbage_frames, self.folders) for actor in self.actors])

@@ -42,16 +42,7 @@ from registry.server.rank_calls import RankCalls
 from registry.settings import RegistrySettings
 from registry.supervision import supervised
 from registry.server.state import (
-    LIVE_STATES,
-    MAX_LIST_LIMIT,
-    PENDING,
-    RELEASED,
-    STAGED,
-    TERMINAL_STATES,
-    Entry,
-    Limits,
-    RegistryState,
-    StagedItem,
+    LIVE_STATES, MAX_LIST_LIMIT, PENDING, RELEASED, STAGED, TERMINAL_STATES, Entry, Limits, RegistryState, StagedItem,
     ended_error,
 )
 
@@ -329,12 +320,16 @@ class EmbeddingRegistry:
             async with asyncio.TaskGroup() as group:
                 tasks = [group.create_task(self._encoder.encode(req_id, i, data)) for i, data in enumerate(items)]
             staged = [task.result() for task in tasks]
-        except asyncio.CancelledError:
+        # Python 3.11's TaskGroup raises from a frame that keeps the exception: a cycle whose
+        # traceback pinned this frame's items until a collection. Dropped, it pins nothing.
+        except asyncio.CancelledError as exc:
+            exc.__traceback__ = None
             if asyncio.current_task().cancelling():
                 return  # the entry was cancelled or expired; the item calls were cancelled too
             # An item's call was cancelled under it: the entry must not wait out encode_timeout_s.
             error = Unavailable(f"the encode of req_id {req_id} was cancelled under it; retry", req_id)
         except Exception as exc:  # noqa: BLE001 - every failure must end the entry
+            exc.__traceback__ = None
             first = exc.exceptions[0] if isinstance(exc, ExceptionGroup) else exc
             error = first if isinstance(first, RegistryError) else Unavailable(
                 f"the encoder deployment cannot be reached: {first}", req_id

@@ -82,6 +82,10 @@ class EncoderCalls:
             if call is not None and all(other.answer.done() for other in self._calls.get(call, ())):
                 call.cancel()  # nobody wants any of its items: stop the model work
             raise
+        finally:
+            # The answer's exception, raised here, holds this frame: with the item (and its
+            # answer) in it, a reference cycle that would pin the payload until a collection.
+            del item
 
     def stats(self) -> dict[str, int]:
         return {"encoder_calls_total": self.calls, "encoder_call_items_total": self.items,
@@ -103,6 +107,10 @@ class EncoderCalls:
 
     def _forget(self, call: asyncio.Task) -> None:
         for item in self._calls.pop(call, ()):
+            # The call is over: nothing is left to cancel. Kept, the task would hold its
+            # exception, whose traceback holds the call's frame, which holds this item: a
+            # cycle pinning the item's payload until a collection.
+            item.call = None
             if not item.answer.done():  # the call was cancelled (its items were not wanted)
                 item.answer.cancel()
 

@@ -113,7 +113,14 @@ class EncoderClient:
                 break
             finally:
                 shared.waiters -= 1
-        raise error
+        # The task's exception, raised here, holds this frame in its traceback: with the task
+        # (in `shared`) and `error` still in it, that would be reference cycles, pinning the
+        # item's input until a garbage collection.
+        del shared
+        try:
+            raise error
+        finally:
+            del error
 
     def _shared(self, key: str, item: MediaInput, req_id: str) -> _Shared:
         """The encode of ``key`` in flight, joined, or a new one."""

@@ -10,6 +10,7 @@ from ray import serve
 
 from registry import lookup_registry
 from registry.errors import InvalidRank, NotReady
+from ray_readings import CycleWatch
 from support import INLINE_OBJECT_LIMIT, MODEL_SPEC, RankActor, image_bytes, image_item, reference_embedding, registry_stats, wait_until
 
 
@@ -187,9 +188,17 @@ def test_embeddings_are_owned_by_the_registry_not_the_caller(cluster):
 def test_cancel_while_pending_never_stages(cluster):
     before = registry_stats()
     req_id = new_id("cancel-early")
-    out = encode(cluster, [image_bytes(448, 448, seed=14)], receive_count=1, req_id=req_id, wait=False, expect=202)
-    assert out["state"] == "pending"
-    cancelled = cluster.http.delete(f"/v1/requests/{req_id}").json()
+    # What the cancelled encode leaves must be freed by reference counting: a cycle would pin
+    # the request's input until some collection.
+    watch = CycleWatch.of_app("epd", ("Ingress", "Encoder"), others=(lookup_registry(req_id=req_id),))
+    watch.pause()
+    try:
+        out = encode(cluster, [image_bytes(448, 448, seed=14)], receive_count=1, req_id=req_id, wait=False, expect=202)
+        assert out["state"] == "pending"
+        cancelled = cluster.http.delete(f"/v1/requests/{req_id}").json()
+    finally:
+        frames = watch.frames()
+    assert frames == [[]] * len(watch.actors)
     # Whether the cancel beat the encoder or not, the entry ends cancelled and holds nothing.
     assert cancelled["state"] == "cancelled"
     assert ray.get(cluster.ranks[0].fetch.remote(req_id))["error"] == "cancelled"

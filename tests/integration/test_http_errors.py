@@ -10,6 +10,7 @@ import ray
 
 from registry import lookup_registry
 from registry.errors import HTTP_STATUS, RegistryError, unwrap
+from ray_readings import CycleWatch
 from support import image_bytes, image_item, registry_stats
 
 PNG = image_bytes(64, 64, seed=31)
@@ -77,6 +78,20 @@ def test_failed_encode_leaves_a_failed_tombstone(cluster):
     retry = cluster.http.post("/v1/encode", json={"req_id": "bad-image-1", "receive_count": 1, "items": [image_item(PNG)]})
     assert retry.status_code == 200
     assert cluster.http.delete("/v1/requests/bad-image-1").json()["state"] == "cancelled"
+
+
+def test_a_failed_encode_leaves_no_reference_cycle_in_the_encoder_or_the_registry(cluster):
+    """A failed item's frames hold its input (the request's bytes, or the ref to its stored
+    copy): a cycle through them would keep it until a collection happened to run."""
+    watch = CycleWatch.of_app("epd", ("Ingress", "Encoder"), others=(lookup_registry(req_id="cycle-1"),))
+    watch.pause()
+    try:
+        response = cluster.http.post("/v1/encode", json={
+            "req_id": "cycle-1", "receive_count": 1, "items": [image_item(BIG_PNG), image_item(PNG[:300])]})
+        assert response.status_code == 422, response.text
+    finally:
+        frames = watch.frames()
+    assert frames == [[]] * len(watch.actors)
 
 
 RANK_CASES = [
