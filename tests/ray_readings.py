@@ -119,9 +119,12 @@ class CycleWatch:
     @classmethod
     def of_app(cls, app: str, deployments: tuple[str, ...], others: tuple[Any, ...] = ()) -> "CycleWatch":
         """The replicas of ``deployments`` of Serve app ``app``, and ``others``."""
-        prefixes = tuple(f"SERVE_REPLICA::{app}#{deployment}#" for deployment in deployments)
-        replicas = [ray.get_actor(a["name"], namespace=a["namespace"]) for a in ray.util.list_named_actors(all_namespaces=True)
-                    if a["name"].startswith(prefixes)]
+        named = ray.util.list_named_actors(all_namespaces=True)
+        replicas = []
+        for deployment in deployments:
+            found = [a for a in named if a["name"].startswith(f"SERVE_REPLICA::{app}#{deployment}#")]
+            assert found, f"no replica of {app}/{deployment} among the named actors"  # else it would watch nothing
+            replicas += [ray.get_actor(a["name"], namespace=a["namespace"]) for a in found]
         return cls([*replicas, *others])
 
     def pause(self) -> None:
