@@ -107,14 +107,15 @@ def _garbage_frames(_instance: Any, folders: tuple[str, ...]) -> list[str]:
 
 
 class CycleWatch:
-    """Reference cycles that actors' code leaves: ``pause()`` collects and turns each actor's
-    garbage collector off (``__ray_call__`` runs a function in the actor's process);
-    ``frames()`` then lists the frames of project code (``folders``) in what a collection
-    finds unreachable, and turns it on again. With the collector off, a cycle cannot be
-    freed by a collection that happened to run in between."""
+    """Reference cycles that actors' code leaves, over a ``with`` block: on entry each actor
+    collects and turns its garbage collector off (``__ray_call__`` runs a function in the
+    actor's process); on exit ``found`` lists, per actor, the frames of project code
+    (``folders``) in what a collection finds unreachable, and the collector is on again.
+    With it off, a cycle cannot be freed by a collection that happened to run in between."""
 
     def __init__(self, actors: list[Any], folders: tuple[str, ...] = ("deployments", "registry", "encoder")):
         self.actors, self.folders = actors, folders
+        self.found: list[list[str]] = []
 
     @classmethod
     def of_app(cls, app: str, deployments: tuple[str, ...], others: tuple[Any, ...] = ()) -> "CycleWatch":
@@ -127,8 +128,9 @@ class CycleWatch:
             replicas += [ray.get_actor(a["name"], namespace=a["namespace"]) for a in found]
         return cls([*replicas, *others])
 
-    def pause(self) -> None:
+    def __enter__(self) -> "CycleWatch":
         ray.get([actor.__ray_call__.remote(_pause_collection) for actor in self.actors])
+        return self
 
-    def frames(self) -> list[list[str]]:
-        return ray.get([actor.__ray_call__.remote(_garbage_frames, self.folders) for actor in self.actors])
+    def __exit__(self, *exc_info: Any) -> None:
+        self.found = ray.get([actor.__ray_call__.remote(_garbage_frames, self.folders) for actor in self.actors])

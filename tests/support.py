@@ -176,9 +176,8 @@ def stored_objects(collect: bool = False) -> dict[bytes, tuple[int, list[str]]]:
     cluster references, Serve's control plane aside: id -> (bytes, holders).
 
     ``collect`` runs the garbage collector in every worker first: refs caught in reference
-    cycles (Serve's router keeps some failed calls to a dead replica in them) are garbage
-    a busy process collects
-    on its own, not leaks. Ray runs it in a worker at most once per
+    cycles (Serve's router keeps some failed calls to a dead replica in them) are garbage a
+    busy process collects on its own, not leaks. Ray runs it in a worker at most once per
     ``local_gc_min_interval_s`` (see ``COLLECT_EVERY_SECOND``): a request made sooner is
     carried out then.
     """

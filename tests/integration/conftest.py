@@ -18,6 +18,7 @@ from ray import serve
 
 from benchmarks.cluster import free_port, on_pythonpath, serve_http
 from deployments import compose_app
+from registry.states import LIVE_STATES, MAX_LIST_LIMIT
 from support import (
     APP_ARGS, COLLECT_EVERY_SECOND, RankActor, deployment_options, holds_nothing, image_bytes, media_server, registry_stats, stored_objects,
     wait_until,
@@ -99,7 +100,7 @@ def no_leaks(cluster):
         wait_until(lambda: holds_nothing(registry_stats()), 20, what="the registry to be empty")
     except AssertionError:
         held = {key: registry_stats()[key] for key in ("pending", "staged", "live_refs")}
-        raise AssertionError(f"the registry is not empty: {held}; its live (req_id, state), now cancelled: {_cancel_live_entries()}") from None
+        raise AssertionError(f"the registry is not empty: {held}; its live (req_id, state), now cancelled: {_cancel_live_entries(cluster)}") from None
     # A leak is an object the test made that something still references. Most tests leave
     # none, and are passed without a cluster-wide garbage collection (a round costs every
     # worker a collection); one whose replica died may leave refs in Serve's router in
@@ -115,22 +116,13 @@ def no_leaks(cluster):
             raise AssertionError(f"objects still referenced (id, bytes, holders): {held}") from None
 
 
-def _cancel_live_entries() -> list[tuple[str, str]]:
-    """Cancel every pending and staged entry of the suite's registry; answers ``(req_id, state)`` of each.
-
-    A test that fails halfway leaves what it staged; cancelling it keeps that one failure
-    from failing every later test's leak check too."""
-    from registry import lookup_shards
-    from registry.states import LIVE_STATES
-
-    left = []
-    for shard in lookup_shards().handles:
-        for state in LIVE_STATES:
-            page = {"requests": [], "more": True}
-            while page["more"]:
-                after = page["requests"][-1]["req_id"] if page["requests"] else None
-                page = ray.get(shard.list_requests.remote(state, after, 100))
-                for entry in page["requests"]:
-                    ray.get(shard.cancel.remote(entry["req_id"]))
-                    left.append((entry["req_id"], entry["state"]))
+def _cancel_live_entries(cluster: Cluster) -> list[tuple[str, str]]:
+    """Cancel the pending and staged entries of the suite's app, through its API; answers
+    ``(req_id, state)`` of each. A test that fails halfway leaves what it staged: cancelling
+    it keeps that one failure from failing every later test's leak check too. One page of
+    each state (up to MAX_LIST_LIMIT) is far more than one test leaves."""
+    left = [(entry["req_id"], entry["state"]) for state in LIVE_STATES for entry in
+            cluster.http.get("/v1/requests", params={"state": state, "limit": MAX_LIST_LIMIT}).json()["requests"]]
+    for req_id, _ in left:
+        cluster.http.delete(f"/v1/requests/{req_id}")
     return left

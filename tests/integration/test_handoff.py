@@ -190,15 +190,11 @@ def test_cancel_while_pending_never_stages(cluster):
     req_id = new_id("cancel-early")
     # What the cancelled encode leaves must be freed by reference counting: a cycle would pin
     # the request's input until some collection.
-    watch = CycleWatch.of_app("epd", ("Ingress", "Encoder"), others=(lookup_registry(req_id=req_id),))
-    watch.pause()
-    try:
+    with CycleWatch.of_app("epd", ("Ingress", "Encoder"), others=(lookup_registry(req_id=req_id),)) as watch:
         out = encode(cluster, [image_bytes(448, 448, seed=14)], receive_count=1, req_id=req_id, wait=False, expect=202)
         assert out["state"] == "pending"
         cancelled = cluster.http.delete(f"/v1/requests/{req_id}").json()
-    finally:
-        frames = watch.frames()
-    assert frames == [[]] * len(watch.actors)
+    assert watch.found == [[]] * len(watch.actors)
     # Whether the cancel beat the encoder or not, the entry ends cancelled and holds nothing.
     assert cancelled["state"] == "cancelled"
     assert ray.get(cluster.ranks[0].fetch.remote(req_id))["error"] == "cancelled"

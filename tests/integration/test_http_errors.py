@@ -83,15 +83,11 @@ def test_failed_encode_leaves_a_failed_tombstone(cluster):
 def test_a_failed_encode_leaves_no_reference_cycle_in_the_encoder_or_the_registry(cluster):
     """A failed item's frames hold its input (the request's bytes, or the ref to its stored
     copy): a cycle through them would keep it until a collection happened to run."""
-    watch = CycleWatch.of_app("epd", ("Ingress", "Encoder"), others=(lookup_registry(req_id="cycle-1"),))
-    watch.pause()
-    try:
+    with CycleWatch.of_app("epd", ("Ingress", "Encoder"), others=(lookup_registry(req_id="cycle-1"),)) as watch:
         response = cluster.http.post("/v1/encode", json={
             "req_id": "cycle-1", "receive_count": 1, "items": [image_item(BIG_PNG), image_item(PNG[:300])]})
         assert response.status_code == 422, response.text
-    finally:
-        frames = watch.frames()
-    assert frames == [[]] * len(watch.actors)
+    assert watch.found == [[]] * len(watch.actors)
 
 
 RANK_CASES = [
