@@ -5,7 +5,7 @@ ends with ``ray.shutdown()`` of the one it started, never ``ray stop`` (which ki
 process on the machine). The object store's usage and an actor's executed calls have no public
 API: they are read from ``ray._private`` here, so that a Ray upgrade breaks this file only.
 On 2 cores every process competes for the same cores, so CPU per unit of work explains a rate:
-``CpuMeter`` reads ``/proc`` for the driver and every process it started, grouped by role.
+``CpuMeter`` reads the CPU times of the driver and every process it started, grouped by role.
 """
 
 from __future__ import annotations
@@ -169,44 +169,19 @@ def executed_tasks(actors: list[Any]) -> int:
     return total
 
 
-_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 # Ray's and Serve's own processes, by a part of their titles.
 SYSTEM_ROLES = {"ProxyActor": "proxy", "ServeController": "controller", "raylet/raylet": "raylet", "gcs_server": "gcs"}
 
 
-def _stat(pid: int) -> tuple[int, float] | None:
-    """(parent pid, CPU seconds) of ``pid``, or None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    # After the command: state, ppid, ..., utime and stime are fields 14 and 15 of stat(5).
-    return int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICK
+def _tree() -> dict[int, tuple[str, float]]:
+    """(title, CPU seconds) of this process and all its descendants (the cluster it started)."""
+    import psutil
 
-
-def _title(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().split(b"\0")[0].decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def _tree(root: int) -> dict[int, float]:
-    """CPU seconds of ``root`` and all its descendants."""
-    if not os.path.isdir("/proc"):
-        return {}
-    stats = {int(e): s for e in os.listdir("/proc") if e.isdigit() and (s := _stat(int(e))) is not None}
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _) in stats.items():
-        children.setdefault(ppid, []).append(pid)
-    out, todo = {}, [root]
-    while todo:
-        pid = todo.pop()
-        if pid in stats:
-            out[pid] = stats[pid][1]
-        todo += children.get(pid, [])
+    out = {}
+    for proc in (me := psutil.Process(), *me.children(recursive=True)):
+        with contextlib.suppress(psutil.Error):
+            times = proc.cpu_times()
+            out[proc.pid] = ((proc.cmdline() or [""])[0], times.user + times.system)
     return out
 
 
@@ -222,16 +197,15 @@ class CpuMeter:
         self._roles, self._pids = {**SYSTEM_ROLES, **roles}, {**(pids or {}), os.getpid(): "driver"}
         self.by_role: dict[str, float] = {}
 
-    def _role(self, pid: int) -> str:
-        title = "" if pid in self._pids else _title(pid)
+    def _role(self, pid: int, title: str) -> str:
         return self._pids.get(pid) or next((role for needle, role in self._roles.items() if needle in title), "other")
 
     def __enter__(self) -> "CpuMeter":
-        self._before = _tree(os.getpid())
+        self._before = _tree()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for pid, seconds in _tree(os.getpid()).items():
-            role = self._role(pid)
-            self.by_role[role] = self.by_role.get(role, 0.0) + seconds - self._before.get(pid, 0.0)
+        for pid, (title, seconds) in _tree().items():
+            role = self._role(pid, title)
+            self.by_role[role] = self.by_role.get(role, 0.0) + seconds - self._before.get(pid, ("", 0.0))[1]
         self.by_role["all"] = sum(self.by_role.values())

@@ -20,9 +20,7 @@ import io
 import json
 import os
 import pathlib
-import signal
 import statistics
-import subprocess
 import tempfile
 import time
 from typing import Any, Iterator
@@ -33,7 +31,7 @@ import ray
 from PIL import Image
 from ray import serve
 
-from benchmarks.cluster import REPO_ROOT, free_port, load_average, local_cluster, run_token, start_serve, tests_module
+from benchmarks.cluster import free_port, load_average, local_cluster, run_token, start_serve, tests_module
 from benchmarks.decoder_side import pipelined
 from benchmarks.report import parse_args
 
@@ -70,35 +68,19 @@ def server_flags(checkpoint: str, ec_transfer_config: dict | None) -> list[str]:
 @contextlib.contextmanager
 def vllm_server(python: str, env: dict[str, str], flags: list[str], log_path: pathlib.Path) -> Iterator[Any]:
     """A vLLM OpenAI server on a free port of 127.0.0.1 in a process group of its own (its
-    engine core and worker are its children); yields a ``wait_ready()`` callable, so that
-    several servers load side by side. Ends exactly that group."""
-    port = free_port()
+    engine core and worker are its children); yields a ``wait_ready()`` callable that answers
+    its URL, so that several servers load side by side."""
+    groups, port = tests_module("process_groups"), free_port()
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", *flags, "--host", "127.0.0.1", "--port", str(port),
            "--served-model-name", SERVED_NAME]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
 
-    def wait_ready() -> str:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited with {proc.returncode}; its log ends:\n{log_path.read_text()[-4000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    return url
-            time.sleep(1.0)
-        raise RuntimeError(f"vLLM server not ready in {START_TIMEOUT_S:.0f} s; its log ends:\n{log_path.read_text()[-4000:]}")
+    def ready() -> str:
+        groups.wait_ready(proc, lambda: groups.healthy([f"{url}/health"]), START_TIMEOUT_S, log_path, "vLLM server")
+        return url
 
-    try:
-        yield wait_ready
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=30)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # the engine core or worker, if they outlived it
+    with groups.process_group(cmd, log_path, env) as proc:
+        yield ready
 
 
 def read_histograms(url: str) -> dict[str, list[float]]:

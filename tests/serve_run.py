@@ -11,8 +11,7 @@ import subprocess
 import sys
 from typing import Iterable, Iterator
 
-import httpx
-
+from process_groups import healthy, process_group, wait_ready
 from support import wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -23,13 +22,6 @@ STOP_GRACE_S = 2
 def port_free(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) != 0
-
-
-def healthy(health_urls: Iterable[str] = (f"{URL}/health",)) -> bool:
-    try:
-        return all(httpx.get(url, timeout=5).status_code == 200 for url in health_urls)
-    except httpx.HTTPError:
-        return False
 
 
 @contextlib.contextmanager
@@ -45,31 +37,13 @@ def serve_run(
     assert port_free(port), f"port {port} ({config}) is taken; stop what uses it"
     env = {k: v for k, v in (os.environ if env is None else env).items() if k != "RAY_ADDRESS"}
     serve_cli = pathlib.Path(python or sys.executable).parent / "serve"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [str(serve_cli), "run", config], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    # Ctrl-C to the group, as a terminal sends it; the graceful drain of every replica that
+    # it starts is not waited out for long (it can take a minute): the group is killed next.
     try:
-        try:
-            wait_until(lambda: proc.poll() is not None or healthy(health_urls), timeout_s, interval_s=0.5,
-                       what="a healthy service")
-        except AssertionError:
-            raise AssertionError("serve run did not become healthy; its log ends:\n" + log_path.read_text()[-4000:]) from None
-        assert proc.poll() is None, log_path.read_text()[-4000:]
-        yield proc
+        with process_group([str(serve_cli), "run", config], log_path, env, signal.SIGINT, STOP_GRACE_S) as proc:
+            wait_ready(proc, lambda: healthy(health_urls), timeout_s, log_path, "serve run")
+            yield proc
     finally:
-        # Ctrl-C, as a user stops it; its graceful drain of every replica is not waited out
-        # for long (it can take a minute), since the process group goes next.
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # stragglers of the cluster serve run started
-        except ProcessLookupError:
-            pass
         wait_until(lambda: port_free(port), 30, what=f"port {port} to be released")
 
 

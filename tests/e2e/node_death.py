@@ -78,7 +78,9 @@ def main() -> None:
     on_pythonpath(str(TESTS))  # the workers import the test helpers (RankActor), as the nodes inherit it
     cluster = Cluster(
         initialize_head=True,
+        # No dashboard: nothing here reads it, and its port may be another cluster's on this machine.
         head_node_args={"num_cpus": 4, "resources": {"head": 100}, "object_store_memory": 200 * MiB,
+                        "include_dashboard": False,
                         "_system_config": {**detection, **spill, **COLLECT_EVERY_SECOND}},  # for the final reading
     )
     try:

@@ -14,33 +14,11 @@ import httpx
 import pytest
 import yaml
 
-from serve_run import URL
+from serve_run import URL, gcs_address
 from support import image_bytes, image_item, wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DASHBOARD = "http://127.0.0.1:8265"  # the dashboard of the cluster `serve run` starts
-
-
-def _gcs_address(pgid: int) -> str | None:
-    """The GCS address of the cluster that `serve run` (process group ``pgid``) started.
-
-    Read from the command line of its processes (the raylet gets ``--gcs-address``),
-    so the decoder joins that cluster and no other one running on this machine
-    (``address="auto"`` may pick another).
-    """
-    for entry in pathlib.Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if os.getpgid(int(entry.name)) != pgid:
-                continue
-            args = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
-        except (OSError, ProcessLookupError):
-            continue
-        for arg in args:
-            if arg.startswith("--gcs-address="):
-                return arg.split("=", 1)[1]
-    return None
 
 
 def _curl(*args: str) -> dict:
@@ -70,8 +48,7 @@ def _ray_env() -> dict:
 
 def _decoder(service, *args: str) -> dict:
     """Run examples/decoder_tp2.py against the service's cluster; its JSON output."""
-    address = _gcs_address(service.pid)
-    assert address, "no gcs_server found in serve run's process group"
+    address = gcs_address(service)
     done = subprocess.run(
         [sys.executable, "examples/decoder_tp2.py", "--url", URL, "--address", address, *args], cwd=ROOT,
         env=_ray_env(), capture_output=True, text=True, timeout=180,
