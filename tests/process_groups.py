@@ -21,34 +21,25 @@ import httpx
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def start_group(cmd: Sequence[str], log_path: pathlib.Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start ``cmd`` in the repository root, in a new process group, stdout and stderr to ``log_path``."""
-    with open(log_path, "wb") as log:
-        return subprocess.Popen(list(cmd), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-
-
-def end_group(proc: subprocess.Popen, stop: int = signal.SIGTERM, grace_s: float = 30.0) -> None:
-    """Send ``stop`` to ``proc``'s group, wait up to ``grace_s`` for ``proc``, then kill what is
-    left of the group (the children that outlived it)."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, stop)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=grace_s)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
 @contextlib.contextmanager
 def process_group(cmd: Sequence[str], log_path: pathlib.Path, env: dict[str, str] | None = None,
                   stop: int = signal.SIGTERM, grace_s: float = 30.0) -> Iterator[subprocess.Popen]:
-    """``start_group``, then ``end_group`` when the block ends, however it ends."""
-    proc = start_group(cmd, log_path, env)
+    """Start ``cmd`` in the repository root, in a new process group, stdout and stderr to
+    ``log_path``; when the block ends, however it ends, send ``stop`` to the group, wait up to
+    ``grace_s`` for ``cmd``, then kill what is left of the group (children that outlived it)."""
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(list(cmd), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
     try:
         yield proc
     finally:
-        end_group(proc, stop, grace_s)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, stop)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace_s)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def healthy(urls: Iterable[str]) -> bool:
