@@ -22,6 +22,7 @@ import sys
 import time
 from typing import Any, Iterator
 
+import psutil
 import ray
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -173,15 +174,13 @@ def executed_tasks(actors: list[Any]) -> int:
 SYSTEM_ROLES = {"ProxyActor": "proxy", "ServeController": "controller", "raylet/raylet": "raylet", "gcs_server": "gcs"}
 
 
-def _tree() -> dict[int, tuple[str, float]]:
-    """(title, CPU seconds) of this process and all its descendants (the cluster it started)."""
-    import psutil
-
+def _tree() -> dict[int, tuple[psutil.Process, float]]:
+    """(process, CPU seconds) of this process and all its descendants (the cluster it started)."""
     out = {}
     for proc in (me := psutil.Process(), *me.children(recursive=True)):
         with contextlib.suppress(psutil.Error):
             times = proc.cpu_times()
-            out[proc.pid] = ((proc.cmdline() or [""])[0], times.user + times.system)
+            out[proc.pid] = (proc, times.user + times.system)
     return out
 
 
@@ -197,15 +196,18 @@ class CpuMeter:
         self._roles, self._pids = {**SYSTEM_ROLES, **roles}, {**(pids or {}), os.getpid(): "driver"}
         self.by_role: dict[str, float] = {}
 
-    def _role(self, pid: int, title: str) -> str:
-        return self._pids.get(pid) or next((role for needle, role in self._roles.items() if needle in title), "other")
+    def _role(self, proc: psutil.Process) -> str:
+        title = ""
+        with contextlib.suppress(psutil.Error):  # read once the window has closed, and only where needed
+            title = "" if proc.pid in self._pids else (proc.cmdline() or [""])[0]
+        return self._pids.get(proc.pid) or next((role for needle, role in self._roles.items() if needle in title), "other")
 
     def __enter__(self) -> "CpuMeter":
         self._before = _tree()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for pid, (title, seconds) in _tree().items():
-            role = self._role(pid, title)
-            self.by_role[role] = self.by_role.get(role, 0.0) + seconds - self._before.get(pid, ("", 0.0))[1]
+        for pid, (proc, seconds) in _tree().items():
+            role = self._role(proc)
+            self.by_role[role] = self.by_role.get(role, 0.0) + seconds - self._before.get(pid, (None, 0.0))[1]
         self.by_role["all"] = sum(self.by_role.values())

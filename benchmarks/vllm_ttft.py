@@ -75,11 +75,11 @@ def vllm_server(python: str, env: dict[str, str], flags: list[str], log_path: pa
            "--served-model-name", SERVED_NAME]
     url = f"http://127.0.0.1:{port}"
 
-    def ready() -> str:
-        groups.wait_ready(proc, lambda: groups.healthy([f"{url}/health"]), START_TIMEOUT_S, log_path, "vLLM server")
-        return url
-
     with groups.process_group(cmd, log_path, env) as proc:
+        def ready() -> str:
+            groups.wait_ready(proc, lambda: groups.healthy([f"{url}/health"]), START_TIMEOUT_S, log_path, "vLLM server")
+            return url
+
         yield ready
 
 

@@ -99,7 +99,8 @@ def no_leaks(cluster):
     try:
         wait_until(lambda: holds_nothing(registry_stats()), 20, what="the registry to be empty")
     except AssertionError:
-        held = {key: registry_stats()[key] for key in ("pending", "staged", "live_refs")}
+        stats = registry_stats()
+        held = {key: stats[key] for key in ("pending", "staged", "live_refs")}
         raise AssertionError(f"the registry is not empty: {held}; its live (req_id, state), now cancelled: {_cancel_live_entries(cluster)}") from None
     # A leak is an object the test made that something still references. Most tests leave
     # none, and are passed without a cluster-wide garbage collection (a round costs every
