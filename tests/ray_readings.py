@@ -43,8 +43,11 @@ def object_refs_in_use() -> dict[bytes, tuple[int, list[str]]]:
     Left out, because they are Serve's bookkeeping and move with replica churn,
     config updates and HTTP history, not with data this project stages (all seen
     here): what the controller and HTTP proxies hold (an object of about 110 KB
-    per replica, 15-byte objects per past request), and the controller's replies
-    that every process with a handle keeps (long-poll config snapshots, ~110 KB).
+    per replica, 15-byte objects per past request), also where another process holds
+    it too (a replica that is starting holds its ~110 KB creation and initialization
+    arguments, which the controller sent, for as long as it takes to load its model),
+    and the controller's replies that every process with a handle keeps (long-poll
+    config snapshots, ~110 KB).
 
     Left out too: what a dead actor ``ray.put``. Ray frees an object with its owner, whatever
     refs to it remain (measured: the store's bytes in use fell to 0 when the owner was
@@ -59,6 +62,7 @@ def object_refs_in_use() -> dict[bytes, tuple[int, list[str]]]:
     control_plane = {bytes.fromhex(aid) for aid, cls in classes.items() if cls in SERVE_CONTROL_PLANE}
     dead = {bytes.fromhex(aid) for aid, a in table.items() if a.get("State") == "DEAD"}
     refs: dict[bytes, tuple[int, list[str]]] = {}
+    bookkeeping: set[bytes] = set()  # what the control plane holds
     for node in ray.nodes():
         if not node["Alive"]:
             continue
@@ -69,6 +73,7 @@ def object_refs_in_use() -> dict[bytes, tuple[int, list[str]]]:
         for worker in stats.core_workers_stats:
             holder: Any = classes.get(worker.actor_id.hex()) or common_pb2.WorkerType.Name(worker.worker_type).lower()
             if holder in SERVE_CONTROL_PLANE:
+                bookkeeping.update(ref.object_id for ref in worker.object_refs)
                 continue
             for ref in worker.object_refs:
                 # An object id is the id of the task that made it (8 bytes, then the
@@ -78,7 +83,7 @@ def object_refs_in_use() -> dict[bytes, tuple[int, list[str]]]:
                     continue
                 size, holders = refs.get(ref.object_id, (-1, []))
                 refs[ref.object_id] = (max(size, ref.object_size), [*holders, f"{holder}:{worker.pid}"])
-    return refs
+    return {oid: held for oid, held in refs.items() if oid not in bookkeeping}
 
 
 def _pause_collection(_instance: Any) -> None:
