@@ -43,11 +43,10 @@ def object_refs_in_use() -> dict[bytes, tuple[int, list[str]]]:
     Left out, because they are Serve's bookkeeping and move with replica churn,
     config updates and HTTP history, not with data this project stages (all seen
     here): what the controller and HTTP proxies hold (an object of about 110 KB
-    per replica, 15-byte objects per past request), also where another process holds
-    it too (a replica that is starting holds its ~110 KB creation and initialization
-    arguments, which the controller sent, for as long as it takes to load its model),
-    and the controller's replies that every process with a handle keeps (long-poll
-    config snapshots, ~110 KB).
+    per replica, 15-byte objects per past request), wherever else it is held too (a
+    starting replica holds the ~110 KB creation and initialization arguments the
+    controller sent it until its model is loaded), and the controller's replies that
+    every process with a handle keeps (long-poll config snapshots, ~110 KB).
 
     Left out too: what a dead actor ``ray.put``. Ray frees an object with its owner, whatever
     refs to it remain (measured: the store's bytes in use fell to 0 when the owner was
