@@ -14,7 +14,6 @@ from typing import Iterable, Iterator
 from process_groups import healthy, process_group, wait_ready
 from support import wait_until
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 URL = "http://127.0.0.1:8000"  # serve_config.yaml's http_options
 STOP_GRACE_S = 2
 

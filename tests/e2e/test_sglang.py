@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 import sglang_env
-from serve_run import ROOT, URL
+from process_groups import ROOT
+from serve_run import URL
 from support import data_url, image_bytes, one_thread, reference_embedding, shown_ratio
 
 SGLANG_URL = f"{URL}/sglang"
