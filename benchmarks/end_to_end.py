@@ -34,9 +34,9 @@ from benchmarks.runner import Context
 
 SECTION = "e2e"
 SIDE = 224
-MODELS: dict[str, dict[str, Any]] = {
-    "tiny": {"family": "tiny-vit", "dtype": "bfloat16"},
-    "vit_b": {"family": "tiny-vit", "dtype": "bfloat16",
+MODELS: dict[str, dict[str, Any]] = {  # served in the plan's e2e_dtype
+    "tiny": {"family": "tiny-vit"},
+    "vit_b": {"family": "tiny-vit",
               "options": {"hidden_size": 768, "depth": 12, "num_heads": 12, "out_size": 768, "max_pixels": SIDE * SIDE}},
 }
 PATHS = ("handle", "http")
@@ -128,7 +128,7 @@ def application(ctx: Context, model: str) -> Any:
     from deployments import compose_app
 
     args = {"registry_name": registry_name(ctx, model), "registry_namespace": ctx.namespace, "cache_max_bytes": 0,
-            "ttl_s": 4.0, "default_receive_count": 1, "model": MODELS[model]}
+            "ttl_s": 4.0, "default_receive_count": 1, "model": {**MODELS[model], "dtype": ctx.plan.e2e_dtype}}
     options = {"Encoder": {"ray_actor_options": {"num_cpus": 2}}, "Ingress": {"ray_actor_options": {"num_cpus": 0}}}
     return compose_app(args, deployment_options=options)
 
@@ -152,7 +152,7 @@ def _run_model(ctx: Context, model: str, seed: int) -> None:
     threads = int(serve.get_deployment_handle("Encoder", app).ready.remote().result()["torch_threads"])
     # The largest batch the served runs can form: no larger in-process batch is a fair bar.
     batch = min(BatchConfig().max_batch_size, max(plan.e2e_concurrency))
-    encoder = build_encoder(EncoderSpec(**MODELS[model]))
+    encoder = build_encoder(EncoderSpec(**MODELS[model], dtype=plan.e2e_dtype))
     prepared = [encoder.prepare(base64.b64decode(body["items"][0]["image"])) for body in pool[:8 * batch]]
     results.add(SECTION, "model_parameters", sum(p.numel() for p in encoder.model.parameters()), "parameters", model=model)
     baseline = {"before": _inprocess(encoder, prepared, threads, batch, plan.inprocess_s)}

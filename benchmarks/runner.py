@@ -47,6 +47,7 @@ class Plan:
     ingress_rounds: int = 3
     memory_burst: int = 32  # requests in each memory burst
     e2e_concurrency: tuple[int, ...] = (1, 4, 16, 64)
+    e2e_dtype: str = "bfloat16"  # of the end-to-end towers
     e2e_window_s: float = 3.5  # measured window per concurrency level and path (after a warm-up)
     e2e_warmup_s: float = 1.5
     e2e_warmup_images: int = 8  # per path and model, sent before anything is timed (a full batch warms its shape)
@@ -58,11 +59,10 @@ class Plan:
 QUICK = Plan(
     mode="quick", fetch_rounds=2, staging_rounds=2, raw_calls=300, lifecycles=40, registry_concurrency=(16,),
     scale_rounds=2, scale_batch=4, ingress_lifecycles=40, ingress_concurrency=(16,), ingress_rounds=1, memory_burst=8,
-    # Concurrency 1 is also the in-process batch: on CPU a bf16 ViT-B pass takes about a
-    # second per image, so every image less per window and pass is seconds off the run.
-    e2e_concurrency=(1,), e2e_window_s=1.0, e2e_warmup_s=0.2, e2e_warmup_images=1, inprocess_s=0.3, image_pool=32,
-    blocking_cleanup=False,
-)
+    # Concurrency 1 is also the in-process batch; float32, as a CPU replica serves (dtype auto): on a CPU
+    # without bfloat16 instructions a bf16 ViT-B pass takes about a second per image, 4-5 x float32's time.
+    e2e_concurrency=(1,), e2e_dtype="float32", e2e_window_s=1.0, e2e_warmup_s=0.2, e2e_warmup_images=1,
+    inprocess_s=0.3, image_pool=32, blocking_cleanup=False)
 
 
 @dataclasses.dataclass
