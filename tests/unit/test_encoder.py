@@ -73,8 +73,8 @@ def test_read_only_payload_views_without_copy_or_warning(recwarn):
     array = np.arange(12, dtype=np.float32)
     array.flags.writeable = False
     tensor = payload_to_tensor(array, "float32")
-    # Only torch's warning about this array counts: a warning from an object of an earlier
-    # test that the collector happens to finalize meanwhile is not this call's.
+    # Only torch's warning about this array counts; any other warning raised meanwhile (an
+    # earlier test's object finalized by the collector, say) is not this call's.
     not_writable = [str(w.message) for w in recwarn if "not writable" in str(w.message)]
     assert tensor.data_ptr() == array.ctypes.data and not not_writable
     with pytest.raises(ValueError, match="does not carry bfloat16"):
