@@ -112,6 +112,11 @@ class AppConfig(BaseModel):
         description="Registry actors; each req_id belongs to one by a stable hash. Admission limits, tombstones "
         "and the cache are split evenly among them. Fixed when the registry is created.",
     )
+    registry_niceness: int | None = Field(
+        0, ge=-20, le=19,
+        description="CPU niceness of the registry actors (Linux; lowering it needs CAP_SYS_NICE). Ray starts workers "
+        "at 15, and a CPU-bound engine on the same node then starves the hand-off; null keeps Ray's.",
+    )
     cache_max_bytes: int = Field(
         512 * _MiB, ge=0, description="Bytes of embeddings the content-hash cache keeps for reuse; 0 turns it off."
     )
@@ -215,6 +220,7 @@ class AppConfig(BaseModel):
             encoder_app=encoder_app,
             encoder_deployment=encoder_deployment,
             encoder_call_max_items=self.encoder_call_max_items,
+            niceness=self.registry_niceness,
         )
 
 

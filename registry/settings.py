@@ -76,6 +76,8 @@ class RegistrySettings:
     # After a restart, how long a fetch of an unknown req_id waits (for a new request
     # to arrive) before it is answered `unavailable`: its entry was lost.
     restart_grace_s: float = 5.0
+    # The actor's CPU niceness (``registry.server.priority``); None keeps Ray's (15).
+    niceness: int | None = 0
 
     def for_shard(self, shard: int) -> RegistrySettings:
         """Shard ``shard``'s settings: the app-wide limits split evenly among the shards

@@ -92,3 +92,16 @@ class SilentRegistry:
 
     async def watch(self, known: dict[str, Any], timeout_s: float) -> dict[str, str]:
         return dict.fromkeys(known, "unknown")
+
+
+@ray.remote(num_cpus=0)
+class StuckRegistry:
+    """A registry shard that is alive and accepts every call but, past ``ping``, answers none."""
+
+    async def ping(self) -> dict[str, Any]:
+        return {"shards": 1}
+
+    async def _never(self, *args: Any) -> None:
+        await asyncio.Event().wait()
+
+    watch = fetch_many = acknowledge_many = states = _never

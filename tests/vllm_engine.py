@@ -7,12 +7,14 @@ project's venv::
         [--connector '{"registry_name": ..., "ray_address": ...}']
 
 ``requests.json`` is a list of ``{"prompt", "images": [file paths], "uuids": [...] or
-null, "max_tokens"}``. With ``--connector`` the engine is an E+PD consumer:
+null, "max_tokens", "call"?}``. Requests with the same ``call`` go to the engine in one
+``generate`` call, the calls one after another in the order of their first request (all in
+one call when no request says). With ``--connector`` the engine is an E+PD consumer:
 ``RayRegistryECConnector`` as ``ec_consumer`` with that ``ec_connector_extra_config``,
 so each image whose uuid the service staged is loaded from the registry instead of
 encoded. Without it the engine is the monolithic model. The answer is one line on
-stdout, ``ENGINE_RESULT {"outputs": [[token ids] per request], "load_s"}``; vLLM's own
-logs go to stderr.
+stdout, ``ENGINE_RESULT {"outputs": [[token ids] per request], "load_s", "calls_s": [seconds
+per generate call]}``; vLLM's own logs go to stderr.
 
 The engine's settings are those FACTS.md lists for this CPU machine: no video (profiling would build one through torchvision), a 32 MiB KV
 cache, eager mode, an explicit dtype, and at TP=2 one OpenMP thread per worker bound to
@@ -38,13 +40,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--requests", required=True, help="a JSON file: the prompts")
     parser.add_argument("--connector", help="ec_connector_extra_config as JSON: run as an E+PD consumer")
     parser.add_argument("--backend", default="mp", choices=["mp", "ray"], help="distributed_executor_backend at TP>1")
+    parser.add_argument("--max-num-seqs", type=int, default=8, help="vLLM's max_num_seqs")
     return parser.parse_args(argv)
 
 
 def engine_kwargs(args: argparse.Namespace, images_per_prompt: int) -> dict:
     kwargs = dict(
         model=args.model, dtype=args.dtype, tensor_parallel_size=args.tp, enforce_eager=True, seed=0,
-        max_model_len=2048, max_num_seqs=8, kv_cache_memory_bytes=32 << 20,
+        max_model_len=2048, max_num_seqs=args.max_num_seqs, kv_cache_memory_bytes=32 << 20,
         limit_mm_per_prompt={"image": max(images_per_prompt, 1), "video": 0},
     )
     if args.tp > 1:
@@ -83,9 +86,19 @@ def main(argv: list[str] | None = None) -> None:
                 prompt["multi_modal_uuids"] = {"image": request["uuids"]}
         prompts.append(prompt)
         params.append(SamplingParams(temperature=0, max_tokens=request.get("max_tokens", 8)))
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    calls: dict[object, list[int]] = {}  # call -> its requests' indices, in order
+    for index, request in enumerate(requests):
+        calls.setdefault(request.get("call"), []).append(index)
+    outputs: list = [None] * len(requests)
+    calls_s = []
+    for indices in calls.values():
+        started = time.monotonic()
+        answers = llm.generate([prompts[i] for i in indices], [params[i] for i in indices], use_tqdm=False)
+        calls_s.append(round(time.monotonic() - started, 3))
+        for i, answer in zip(indices, answers, strict=True):
+            outputs[i] = answer
     tokens = [list(output.outputs[0].token_ids) for output in outputs]
-    print("ENGINE_RESULT " + json.dumps({"outputs": tokens, "load_s": round(load_s, 1)}), flush=True)
+    print("ENGINE_RESULT " + json.dumps({"outputs": tokens, "load_s": round(load_s, 1), "calls_s": calls_s}), flush=True)
     sys.stdout.flush()
 
 

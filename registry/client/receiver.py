@@ -76,7 +76,8 @@ class EmbeddingReceiver:
 
     ``rank`` is this process's rank (0-based, below the request's
     ``receive_count``). ``registry_name``/``registry_namespace`` default to the
-    app's defaults (or ``EPD_REGISTRY_NAME``/``EPD_REGISTRY_NAMESPACE``).
+    app's defaults (or ``EPD_REGISTRY_NAME``/``EPD_REGISTRY_NAMESPACE``); ``shards``, the
+    registry's actors as ``Shards.lookup`` found them, saves the first call looking them up.
     Errors are ``registry.errors.RegistryError`` subclasses with a ``.code``.
 
     Every call is written once, as a coroutine (``fetch_async`` and the other ``*_async``
@@ -85,11 +86,14 @@ class EmbeddingReceiver:
     block its loop, so use the ``*_async`` ones there.
     """
 
-    def __init__(self, rank: int, *, registry_name: str | None = None, registry_namespace: str | None = None):
+    def __init__(
+        self, rank: int, *, registry_name: str | None = None, registry_namespace: str | None = None,
+        shards: Shards | None = None,
+    ):
         self.rank = check_rank(rank, ValueError)
         self._name = registry_name
         self._namespace = registry_namespace
-        self._shards: Shards | None = None
+        self._shards = shards
 
     # --- blocking -----------------------------------------------------------------
 

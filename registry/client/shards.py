@@ -67,33 +67,30 @@ class Shards:
         return {req_id: merged[req_id] for req_id in req_ids}
 
     @classmethod
-    def lookup(cls, name: str | None = None, namespace: str | None = None) -> Shards:
-        """Every shard of the running registry (blocking); ``Unavailable`` if one is missing."""
+    def lookup(cls, name: str | None = None, namespace: str | None = None, *, timeout_s: float = 30.0) -> Shards:
+        """Every shard of the running registry (blocking); ``Unavailable`` if one is missing,
+        or if shard 0 does not say within ``timeout_s`` how many there are."""
         name, namespace = registry_address(name, namespace)
         first = find_actor(name, namespace)
         try:
-            count = ray.get(first.ping.remote(), timeout=_PING_TIMEOUT_S).get("shards", 1)
+            count = ray.get(first.ping.remote(), timeout=timeout_s).get("shards", 1)
         except (ray.exceptions.RayError, TimeoutError) as exc:
             raise _silent(name, exc) from None
         return cls(name, namespace, [first] + [find_actor(shard_name(name, i), namespace) for i in range(1, count)])
 
     @classmethod
-    async def lookup_async(cls, name: str | None = None, namespace: str | None = None) -> Shards:
+    async def lookup_async(cls, name: str | None = None, namespace: str | None = None, *, timeout_s: float = 30.0) -> Shards:
         """``lookup`` for event loops: the same answer, awaited. Finding a name asks the GCS,
         which blocks, so it runs in a thread; the shard count is an awaited ``ping``, never a
         ``ray.get`` (which, in an async actor, blocks its loop and makes Ray warn)."""
         name, namespace = registry_address(name, namespace)
         first = await asyncio.to_thread(find_actor, name, namespace)
         try:
-            count = (await asyncio.wait_for(first.ping.remote(), _PING_TIMEOUT_S)).get("shards", 1)
+            count = (await asyncio.wait_for(first.ping.remote(), timeout_s)).get("shards", 1)
         except (ray.exceptions.RayError, TimeoutError) as exc:
             raise _silent(name, exc) from None
         others = [await asyncio.to_thread(find_actor, shard_name(name, i), namespace) for i in range(1, count)]
         return cls(name, namespace, [first, *others])
-
-
-# How long a lookup waits for shard 0 to say how many shards there are.
-_PING_TIMEOUT_S = 30.0
 
 
 def _silent(name: str, exc: BaseException) -> Unavailable:

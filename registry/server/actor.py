@@ -38,6 +38,7 @@ from registry.logs import configure_actor_logging, get_logger
 from registry.server.call_errors import CallErrors
 from registry.server.changes import Changes, check_wait, wait_up_to
 from registry.server.metrics import RegistryMetrics
+from registry.server.priority import set_niceness
 from registry.server.rank_calls import RankCalls
 from registry.settings import RegistrySettings
 from registry.supervision import supervised
@@ -75,6 +76,7 @@ class EmbeddingRegistry:
 
     def __init__(self, settings: RegistrySettings):
         configure_actor_logging()
+        set_niceness(settings.niceness)
         self._settings = settings
         self._state = RegistryState(_effective_limits(settings))
         self._metrics = RegistryMetrics(settings.name, settings.shard)
@@ -127,6 +129,8 @@ class EmbeddingRegistry:
             )
             settings = dataclasses.replace(settings, registry_max_concurrency=self._settings.registry_max_concurrency)
         self._encoder.reconfigure(settings)
+        if settings.niceness != self._settings.niceness:
+            set_niceness(settings.niceness)
         self._settings = settings
         self._ranks.restart_grace_s = settings.restart_grace_s
         self._state.limits = await asyncio.to_thread(_effective_limits, settings)

@@ -17,7 +17,7 @@ import pytest
 import ray
 
 import vllm_env
-from engine_support import Gate, SilentRegistry, VllmWorkerRank, gated
+from engine_support import Gate, SilentRegistry, StuckRegistry, VllmWorkerRank, gated
 from registry import lookup_registry, media_input
 from support import MODEL_SPEC, image_bytes, image_item, reference_embedding
 
@@ -159,9 +159,14 @@ def test_a_pending_item_defers_its_request_until_it_is_staged(cluster, engine, s
     scheduler.add_request(vllm_env.image_request("chat-3", [req_id], grid_thw=[GRID]))
     connector = scheduler.get_ec_connector()
     # The engine keeps stepping and the request waits: until the registry's answer (pending)
-    # arrives, and for 20 steps more.
+    # arrives, and for 3 s more. Those steps have nothing to run: each waits for the registry's
+    # next answer (up to 1.6 s) instead of returning at once, so there are a few, not hundreds.
     steps = step_until(scheduler, lambda r: connector.has_cache_item(req_id), "the registry says it is pending")
-    steps += [vllm_env.step(scheduler) for _ in range(20)]
+    idle_until, idle = time.monotonic() + 3.0, 0
+    while time.monotonic() < idle_until:
+        steps.append(vllm_env.step(scheduler))
+        idle += 1
+    assert 2 <= idle <= 12, idle
     assert all("chat-3" not in result.scheduler_output.num_scheduled_tokens for result in steps)
     assert not connector.has_cache_item(new_id("never"))
     assert connector.has_cache_item(req_id)  # pending counts: the service has it
@@ -229,6 +234,23 @@ def test_a_registry_that_does_not_answer_never_holds_up_a_step(cluster, engine):
     finally:
         ray.kill(silent)
         ray.kill(gate)
+
+
+def test_a_registry_that_takes_calls_and_never_answers_has_its_items_computed_by_the_engine(cluster, engine):
+    """Alive, found, and silent: past registry_deadline_s (watch_timeout_s 2 s: 7 s) the
+    scheduler stops waiting for it, and the engine encodes the items itself."""
+    name = new_id("stuck")
+    stuck = StuckRegistry.options(name=name, namespace="epd").remote()
+    try:
+        scheduler = _scheduler(engine[0], registry_name=name)
+        scheduler.add_request(vllm_env.image_request("chat-12", [new_id("unanswered")], grid_thw=[GRID]))
+        started = time.monotonic()
+        steps = step_until(scheduler, lambda r: "chat-12" in r.scheduler_output.num_scheduled_tokens, "chat-12 runs")
+        waited = time.monotonic() - started
+        assert steps[-1].scheduler_output.scheduled_encoder_inputs["chat-12"] == [0]  # the engine encodes it
+        assert 7.0 <= waited < 25.0, waited  # not before the deadline; and then at once, not at the next long poll
+    finally:
+        ray.kill(stuck)
 
 
 def _scheduler(cfg, **extra):

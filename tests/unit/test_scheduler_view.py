@@ -142,3 +142,39 @@ def test_a_new_request_asks_again_about_an_item_decided_for_an_earlier_one():
     assert not view.ready("chat-2", ["a"])
     view.apply({"a": "staged"})
     assert view.ready("chat-2", ["a"]) and view.take_unavailable() == {}
+
+
+def test_the_view_awaits_the_registry_while_an_item_is_unheard_of_or_pending_and_not_handed_over():
+    view = EngineView()
+    assert not view.awaiting()
+    view.track("chat-1", ["a", "b"])
+    assert view.awaiting()  # neither heard of yet
+    view.apply({"a": "staged", "b": "pending"})
+    assert view.awaiting()  # b is pending
+    view.apply({"b": "staged"})
+    assert not view.awaiting()
+    view.track("chat-2", ["c"])
+    view.hand_over("c")  # handed over: the workers ask for it, the scheduler waits for nothing
+    assert not view.awaiting()
+
+
+def test_what_a_silent_registry_left_undecided_is_computed_by_the_engine_or_fails_its_request():
+    for fallback in (True, False):
+        view = EngineView(local_fallback=fallback)
+        for request_id, identifier in [("c1", "unheard"), ("c2", "pending"), ("c3", "staged")]:
+            view.track(request_id, [identifier])
+        view.apply({"pending": "pending", "staged": "staged"})
+        view.asked({"unheard": None, "pending": "pending", "staged": "staged"}, shard=0)
+        assert view.asked_of(0) == {"unheard": None, "pending": "pending", "staged": "staged"}
+        view.unanswered(view.asked_of(0), "the registry did not answer within 10 s")
+        # Never heard of: decided unknown, the engine encodes it silently (as with no registry).
+        assert view.ready("c1", ["unheard"]) and view.state("unheard") == "unknown"
+        # Staged stays staged: the registry said so before it went silent.
+        assert view.state("staged") == "staged" and view.ready("c3", ["staged"])
+        if fallback:
+            assert view.ready("c2", ["pending"])
+            assert view.take_fallbacks() == {"pending": "the registry did not answer within 10 s"}
+        else:
+            assert not view.ready("c2", ["pending"])
+            assert view.take_unavailable() == {"c2": "pending: the registry did not answer within 10 s"}
+        assert view.to_watch() == {"staged": "staged"}

@@ -23,7 +23,9 @@ engine's TP size.
 * ``tp_rank``: the rank a worker fetches as when vLLM's TP group is not
   initialized (default 0); otherwise vLLM's own TP rank is used.
 * ``fetch_timeout_s``: how long a worker waits for one item (default 30).
-* ``watch_timeout_s``: length of the scheduler's long poll (default 5).
+* ``watch_timeout_s``: length of the scheduler's long poll (default 5). The registry
+  must answer within ``watch_timeout_s`` plus as much again (at least 5 s): a registry
+  silent for longer is treated as one that cannot be reached (below).
 * ``ray_address``: where a process without Ray connects, the scheduler's and each
   worker's (default ``"auto"``: under Ray Serve LLM, the cluster hosting the engine;
   see ``registry.engines.vllm.finder.cluster_address``).
@@ -32,13 +34,16 @@ engine's TP size.
   registry to ask) is encoded by the engine itself, with one log line naming it
   (default true); false fails its request instead.
 
-Scheduler side (one per engine, in the scheduler's process)
-    Never waits on the registry: it is looked up on a thread of its own
-    (``registry.engines.vllm.finder``), and a request naming items not heard of yet waits
-    while that runs. Never calls the registry per question: ``ensure_cache_available`` and
-    ``has_cache_item`` read a local ``registry.engines.vllm.scheduler_view.EngineView`` that one
-    long-poll ``watch`` call in flight keeps current (checked without blocking,
-    at most once per new request and once per step). ``ensure_cache_available``
+Scheduler side (one per engine, in the scheduler's process: ``registry.engines.vllm.scheduler``)
+    Never waits on the registry while the engine has work: it is looked up on a thread of
+    its own (``registry.engines.vllm.finder``), started with the engine, and a request naming
+    items not heard of yet waits while that runs. When a step has nothing to run but such
+    requests, it waits for the registry's next answer (bounded) instead of letting vLLM
+    step an idle engine in a loop: the module says why. Never calls the registry per
+    question: ``ensure_cache_available`` and ``has_cache_item`` read a local
+    ``registry.engines.vllm.scheduler_view.EngineView`` that one long-poll ``watch`` call in
+    flight per registry shard keeps current (checked without blocking, at most once per new
+    request and once per step). ``ensure_cache_available``
     defers a request while any item it still needs is pending or not yet heard
     of; ``has_cache_item`` is True while the item is pending or staged;
     ``update_state_after_alloc`` and ``build_connector_meta`` hand the workers the
@@ -47,17 +52,20 @@ Scheduler side (one per engine, in the scheduler's process)
     acknowledge (staged for this engine, they would otherwise wait for their
     ttl); ``take_unavailable_requests`` returns the requests whose items a worker
     could not load, and, without ``local_fallback``, those whose items ended failed,
-    expired, cancelled or lost (with it, the engine encodes those items itself).
+    expired, cancelled or lost, or that a stuck registry left pending (with it, the engine
+    encodes those items itself).
 
 Worker side (one per TP worker, ``registry.engines.vllm.worker``)
     ``start_load_caches`` fetches each listed identifier as this worker's TP
     rank and puts the tensor in ``encoder_cache`` on the worker's device in the
     model's dtype. An identifier already cached counts as this rank's receipt (an
     acknowledgement that reads no bytes). Fetches and acknowledgements are one
-    registry call per shard for the whole step. Only the first pipeline stage loads. A
-    failed fetch never raises: the worker logs one line, leaves a zero
-    placeholder so the step runs, and reports the identifier back, and the
-    scheduler fails the request.
+    registry call per shard for the whole step, each bounded by ``fetch_timeout_s`` (plus
+    10 s for the call itself). Only the first pipeline stage loads. Each worker connects
+    to Ray and looks the registry up on a thread of its own when the engine starts, so its
+    first load does not. A failed load never raises, whatever failed (Ray, the lookup, the
+    fetch, the bytes): the worker logs one line, leaves a zero placeholder so the step
+    runs, and reports the identifier back, and the scheduler fails the request.
 
 Stats (``registry.engines.vllm.metrics``): how long each item's request waited for it to be
 staged, and how long each step's loads took; vLLM logs them and exports them to
@@ -66,9 +74,6 @@ Prometheus as ``vllm:ec_registry_wait_seconds`` and ``vllm:ec_registry_load_seco
 
 from __future__ import annotations
 
-import dataclasses
-import logging
-import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -79,12 +84,15 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorWorkerMetadata,
 )
 
-from registry.checks import check_rank, check_seconds
-from registry.engines.vllm.scheduler_view import EngineView
-from registry.engines.vllm.finder import RegistryFinder
+from registry.engines.vllm.metadata import (
+    ConnectorSettings,
+    ItemLoad,
+    RayRegistryECMetadata,
+    RayRegistryECWorkerMetadata,
+)
 from registry.engines.vllm.metrics import RegistryECPromMetrics, RegistryECStats
+from registry.engines.vllm.scheduler import SchedulerSide
 from registry.engines.vllm.worker import WorkerSide
-from registry.settings import registry_address
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -92,79 +100,16 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import ECConnectorOutput
     from vllm.v1.request import Request
 
-# Under vLLM's own logger, so its logging configuration (level, format) covers these lines.
-logger = logging.getLogger("vllm.ec_connector.ray_registry")
-
-# How often a scheduler that cannot find the registry looks for it again.
-_LOOKUP_RETRY_S = 1.0
-
-
-@dataclasses.dataclass(frozen=True)
-class ConnectorSettings:
-    """``ec_connector_extra_config``, validated (see the module docstring)."""
-
-    registry_name: str
-    registry_namespace: str
-    tp_rank: int = 0
-    fetch_timeout_s: float = 30.0
-    watch_timeout_s: float = 5.0
-    ray_address: str = "auto"
-    local_fallback: bool = True
-
-    @classmethod
-    def from_extra_config(cls, extra: dict[str, Any] | None) -> "ConnectorSettings":
-        extra = dict(extra or {})
-        name, namespace = registry_address(extra.pop("registry_name", None), extra.pop("registry_namespace", None))
-        keys = ("tp_rank", "fetch_timeout_s", "watch_timeout_s", "ray_address", "local_fallback")
-        settings = cls(name, namespace, **{k: extra.pop(k) for k in keys if k in extra})
-        if extra:
-            logger.warning("ec_connector_extra_config keys %s are not RayRegistryECConnector's; ignored", sorted(extra))
-        if not isinstance(settings.local_fallback, bool):
-            raise ValueError(f"ec_connector_extra_config.local_fallback must be true or false, got {settings.local_fallback!r}")
-        check_rank(settings.tp_rank, ValueError, "ec_connector_extra_config.tp_rank")
-        for key in ("fetch_timeout_s", "watch_timeout_s"):
-            check_seconds(getattr(settings, key), ValueError, f"ec_connector_extra_config.{key}", allow_zero=False)
-        return settings
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ItemLoad:
-    identifier: str
-    num_tokens: int
-    reload: bool = False  # over a placeholder a failed load left in the worker's cache
-    # The engine needs no bytes (its own encoder cache or prefix cache had the item): each
-    # rank only acknowledges, so the entry is released instead of waiting for its ttl.
-    acknowledge_only: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class RayRegistryECMetadata(ECConnectorMetadata):
-    """Scheduler -> workers, once per step: what to load. Pickles (vLLM ships it to Ray workers)."""
-
-    loads: tuple[ItemLoad, ...] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class RayRegistryECWorkerMetadata(ECConnectorWorkerMetadata):
-    """Workers -> scheduler, once per step: identifiers loaded, and the ones that failed (-> why)."""
-
-    loaded: frozenset[str] = frozenset()
-    failed: dict[str, str] = dataclasses.field(default_factory=dict)
-    load_s: float = 0.0  # this step's fetch and placement; 0 if it fetched nothing
-
-    def aggregate(self, other: ECConnectorWorkerMetadata) -> ECConnectorWorkerMetadata:
-        if not isinstance(other, RayRegistryECWorkerMetadata):
-            return self
-        # The ranks load side by side and the step waits for the slowest.
-        return RayRegistryECWorkerMetadata(self.loaded | other.loaded, {**self.failed, **other.failed},
-                                           max(self.load_s, other.load_s))
+__all__ = ["ConnectorSettings", "ItemLoad", "RayRegistryECConnector", "RayRegistryECMetadata", "RayRegistryECWorkerMetadata"]
 
 
 class RayRegistryECConnector(ECConnectorBase):
     def __init__(self, vllm_config: "VllmConfig", role: ECConnectorRole):
         super().__init__(vllm_config=vllm_config, role=role)
         settings = ConnectorSettings.from_extra_config(vllm_config.ec_transfer_config.ec_connector_extra_config)
-        self._scheduler = _SchedulerSide(settings) if role == ECConnectorRole.SCHEDULER else None
+        # With more than one pipeline stage an empty step may have a batch in flight: never wait then.
+        one_stage = vllm_config.parallel_config.pipeline_parallel_size == 1
+        self._scheduler = SchedulerSide(settings, one_stage) if role == ECConnectorRole.SCHEDULER else None
         self._worker = WorkerSide(vllm_config, settings) if role == ECConnectorRole.WORKER else None
 
     # ==============================
@@ -228,118 +173,3 @@ class RayRegistryECConnector(ECConnectorBase):
         if self._scheduler is not None:
             self._scheduler.finish(request.request_id)
         return False, None
-
-
-class _SchedulerSide:
-    def __init__(self, settings: ConnectorSettings):
-        self.settings = settings
-        self.view = EngineView(settings.local_fallback)
-        self._finder = RegistryFinder(
-            settings.registry_name, settings.registry_namespace, settings.ray_address, _LOOKUP_RETRY_S,
-            owner="RayRegistryECConnector: ",
-        )
-        self._watches: dict[int, Any] = {}  # registry shard -> the ObjectRef of its watch call in flight
-        self._num_tokens: dict[str, int] = {}  # identifier -> its tokens, while a request names it
-        self._loads: dict[str, int] = {}
-        self._synced_this_step = False
-        self.stats = RegistryECStats()
-        self._first_seen: dict[str, float] = {}  # request_id -> when a step first considered it
-
-    def ensure(self, request: "Request", num_computed_tokens: int) -> bool:
-        features = request.mm_features
-        self._first_seen.setdefault(request.request_id, time.monotonic())
-        new = self.view.track(request.request_id, (f.identifier for f in features))
-        if new or not self._synced_this_step:
-            self.sync()
-        needed = []
-        for feature in features:
-            self._num_tokens[feature.identifier] = feature.mm_position.get_num_embeds()
-            if feature.mm_position.offset + feature.mm_position.length > num_computed_tokens:
-                needed.append(feature.identifier)
-        return self.view.ready(request.request_id, needed)
-
-    def finish(self, request_id: str) -> None:
-        self._first_seen.pop(request_id, None)
-        for identifier in self.view.finish(request_id):
-            self._num_tokens.pop(identifier, None)
-
-    def after_alloc(self, request: "Request", index: int) -> None:
-        identifier = request.mm_features[index].identifier
-        if self.view.has(identifier):
-            self._loads[identifier] = request.get_num_encoder_embeds(index)
-            self.view.hand_over(identifier)
-            self.stats.waited(time.monotonic() - self._first_seen.get(request.request_id, time.monotonic()))
-
-    def build_meta(self, scheduler_output: "SchedulerOutput") -> RayRegistryECMetadata:
-        loads = [ItemLoad(identifier, count) for identifier, count in self._loads.items()]
-        loads += [ItemLoad(i, self._num_tokens[i], reload=True) for i in self.view.take_reloads() if i not in self._loads]
-        loads += self._settled_elsewhere(scheduler_output, {load.identifier for load in loads})
-        self._loads.clear()
-        self._synced_this_step = False
-        return RayRegistryECMetadata(tuple(loads))
-
-    def _settled_elsewhere(self, scheduler_output: "SchedulerOutput", loading: set[str]) -> list[ItemLoad]:
-        """Items of requests scheduled for the first time that the engine neither loads nor
-        encodes: its encoder cache or prefix cache had them. Staged for this engine, they would
-        wait for their ttl; the ranks acknowledge them instead. (Items of a prompt's later
-        chunks that hit the engine's cache are not seen here and wait for their ttl.)"""
-        settled = []
-        for new in scheduler_output.scheduled_new_reqs:
-            encoded_here = set(scheduler_output.scheduled_encoder_inputs.get(new.req_id, ()))
-            covered = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
-            for index, feature in enumerate(new.mm_features or ()):
-                identifier, position = feature.identifier, feature.mm_position
-                if (
-                    position.offset + position.length <= covered
-                    and index not in encoded_here
-                    and identifier not in loading
-                    and self.view.state(identifier) == "staged"
-                ):
-                    settled.append(ItemLoad(identifier, position.get_num_embeds(), acknowledge_only=True))
-                    loading.add(identifier)
-                    self.view.hand_over(identifier)
-        return settled
-
-    def take_unavailable(self) -> set[str]:
-        self.sync()
-        for identifier, why in self.view.take_fallbacks().items():
-            logger.warning("req_id=%s: %s; the engine encodes it itself", identifier, why)
-        unavailable = self.view.take_unavailable()
-        for request_id, why in unavailable.items():
-            logger.warning("vLLM request %s fails: its encoder input is unavailable: %s", request_id, why)
-        return set(unavailable)
-
-    def sync(self) -> None:
-        """Apply the watch's answer if it came, and keep one watch in flight. Never blocks."""
-        import ray
-
-        self._synced_this_step = True
-        for shard, ref in list(self._watches.items()):
-            ready, _ = ray.wait([ref], timeout=0)
-            if ready:
-                del self._watches[shard]
-                self.view.asked(None, shard)
-                try:
-                    self.view.apply(ray.get(ref))
-                except Exception as exc:  # noqa: BLE001 - the registry restarted or is gone: look again
-                    logger.warning("registry watch failed (%s: %s); retrying", type(exc).__name__, exc)
-                    self._finder.forget()
-        known = self.view.to_watch()
-        if not known:
-            return
-        shards = self._finder.shards()  # looked up on a thread of its own: never waited for here
-        if shards is None:
-            if self._finder.failed:
-                # No registry to ask: what nobody could have encoded is computed by the engine.
-                self.view.apply({identifier: "unknown" for identifier, state in known.items() if state is None})
-            # Else a lookup is under way: the requests naming these items wait for it.
-            return
-        # One watch in flight per shard holding any of them, naming all of that shard's.
-        for shard, identifiers in shards.group(known).items():
-            if shard in self._watches:
-                if not self.view.watch_is_stale(shard, identifiers):
-                    continue
-                ray.cancel(self._watches.pop(shard))  # it lacks identifiers added since: ask again
-            subset = {identifier: known[identifier] for identifier in identifiers}
-            self._watches[shard] = shards.handles[shard].watch.remote(subset, self.settings.watch_timeout_s)
-            self.view.asked(subset, shard)

@@ -24,19 +24,26 @@ class RegistryFinder:
 
     ``shards()`` returns them once found; until then it returns None and starts a lookup
     if none is running (after a failed one, no sooner than ``retry_s`` later). ``failed``
-    is True while the last lookup that ended found no registry. ``forget()`` drops the
-    shards found (a call to them failed: the registry restarted or is gone), so the next
-    ``shards()`` looks again.
+    is True while the last lookup that ended found no registry, or none that answered within
+    ``timeout_s``, and while a lookup has been under way for longer than ``timeout_s`` (joining
+    a cluster that is not there can hang for minutes: its answer still counts when it comes).
+    ``forget()`` drops the shards found (a call to them failed: the registry restarted, is
+    gone or is stuck), so the next ``shards()`` looks again.
     """
 
-    def __init__(self, name: str, namespace: str, ray_address: str = "auto", retry_s: float = 1.0, *, owner: str = "") -> None:
+    def __init__(
+        self, name: str, namespace: str, ray_address: str = "auto", retry_s: float = 1.0, *, owner: str = "",
+        timeout_s: float = 30.0,
+    ) -> None:
         self._name, self._namespace, self._address = name, namespace, ray_address
         self._retry_s = retry_s
+        self._timeout_s = timeout_s  # how long shard 0 may take to answer a lookup
         self._owner = owner  # who looks, for the log line
         self._shards: Any = None
         self._thread: threading.Thread | None = None
         self._result: Any = None
         self._next_try = 0.0
+        self._started = 0.0  # when the lookup under way started
         self.failed = False
 
     def shards(self) -> Any:
@@ -50,10 +57,25 @@ class RegistryFinder:
             else:
                 self._shards, self.failed = result, False
         if self._shards is None and self._thread is None and time.monotonic() >= self._next_try:
-            self._next_try = time.monotonic() + self._retry_s
+            self._started = time.monotonic()
+            self._next_try = self._started + self._retry_s
             self._thread = threading.Thread(target=self._look, name="epd-registry-lookup", daemon=True)
             self._thread.start()
+        elif self._thread is not None and not self.failed and time.monotonic() - self._started > self._timeout_s:
+            self.failed = True
+            logger.warning("%slooking the registry up has taken over %g s; going on without it meanwhile",
+                           self._owner, self._timeout_s)
         return self._shards
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the lookup under way to end (or, after a failed one,
+        for the time of the next); True if a lookup ended."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
+            return not thread.is_alive()
+        time.sleep(max(0.0, min(timeout_s, self._next_try - time.monotonic())))
+        return False
 
     def forget(self) -> None:
         self._shards = None
@@ -66,8 +88,9 @@ class RegistryFinder:
 
         try:
             if not ray.is_initialized():
-                ray.init(address=cluster_address(self._address))
-            self._result = Shards.lookup(self._name, self._namespace)
+                # The cluster's logs are not the engine's to print.
+                ray.init(address=cluster_address(self._address), log_to_driver=False)
+            self._result = Shards.lookup(self._name, self._namespace, timeout_s=self._timeout_s)
         except (Unavailable, ConnectionError) as exc:
             self._result = exc
         except Exception as exc:  # noqa: BLE001 - whatever it is, the caller goes on without a registry

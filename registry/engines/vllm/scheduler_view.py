@@ -132,6 +132,14 @@ class EngineView:
             if (state is None or state in _LIVE) and identifier not in self._handed
         }
 
+    def awaiting(self) -> bool:
+        """Some request waits for an item the registry has not decided (not heard of yet, or
+        pending): the scheduler has news to wait for."""
+        return any(
+            (state is None or state == PENDING) and identifier not in self._handed
+            for identifier, state in self._states.items()
+        )
+
     def watch_is_stale(self, shard: int = 0, wanted: Iterable[str] | None = None) -> bool:
         """The watch in flight to ``shard`` was sent before identifiers it should name
         (``wanted``, by default all of ``to_watch``) were added."""
@@ -144,6 +152,22 @@ class EngineView:
             self._asked.pop(shard, None)
         else:
             self._asked[shard] = known
+
+    def asked_of(self, shard: int) -> dict[str, str | None]:
+        """What the watch in flight to ``shard`` was sent (empty if none)."""
+        return dict(self._asked.get(shard, {}))
+
+    def unanswered(self, identifiers: Iterable[str], why: str) -> None:
+        """The registry did not answer about ``identifiers`` in time: those still undecided are
+        decided without it. Never heard of: ``unknown``, the engine computes them (as when there
+        is no registry to ask); pending: as an item that ended badly (``why`` says why)."""
+        for identifier in identifiers:
+            state = self._states.get(identifier, UNKNOWN)
+            if identifier not in self._users or identifier in self._handed or state not in (None, PENDING):
+                continue
+            self._states[identifier] = UNKNOWN
+            if state == PENDING:
+                self._ended(identifier, why)
 
     def apply(self, states: dict[str, str]) -> None:
         """Apply a watch answer: req_id -> its state now."""

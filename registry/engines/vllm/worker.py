@@ -6,11 +6,17 @@ in vLLM's ``encoder_cache`` on the worker's device in the model's dtype. An item
 holds already is acknowledged instead (one call per shard too), so the registry counts the
 rank without the bytes being read again. A failed load never raises; see the connector's
 docstring.
+
+Connecting to Ray and finding the registry take seconds on a busy node (a vLLM ``mp``
+worker is a process without Ray). They start on a thread when the worker is built, while
+the engine loads; a step that loads before they finished waits for them, within
+``fetch_timeout_s``.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +25,7 @@ import torch
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-    from registry.engines.vllm.connector import ConnectorSettings, ItemLoad
+    from registry.engines.vllm.metadata import ConnectorSettings, ItemLoad
 
 # The connector's logger: one name for both of its sides.
 logger = logging.getLogger("vllm.ec_connector.ray_registry")
@@ -36,12 +42,15 @@ class WorkerSide:
         self._loaded: set[str] = set()
         self._failed: dict[str, str] = {}
         self._load_s = 0.0  # since the last report: the fetches' and placements' time
+        self._shards: Any = None  # the registry's shards, once found
+        self._waited_for_connect = False
+        self._connecting = threading.Thread(target=self._connect, name="epd-registry-connect", daemon=True)
+        self._connecting.start()
 
     def load(self, loads: tuple[ItemLoad, ...], encoder_cache: dict[str, torch.Tensor]) -> None:
         rank = _tp_rank(self.settings.tp_rank)
         if rank is None or not loads:
             return  # a later pipeline stage: it never reads multimodal embeddings
-        receiver = self._receiver(rank)
         device = _device()
         to_fetch, to_acknowledge = [], []
         for load in loads:
@@ -49,18 +58,23 @@ class WorkerSide:
                 to_acknowledge.append(load.identifier)
             else:
                 to_fetch.append(load)
-        if to_acknowledge:
-            self._acknowledge(receiver, to_acknowledge)
-        if not to_fetch:
-            return
         started = time.monotonic()
-        # One registry call per shard for the whole step, not one per item.
         try:
-            fetched: dict[str, Any] = receiver.fetch_many(
-                [load.identifier for load in to_fetch], timeout_s=self.settings.fetch_timeout_s
-            )
+            receiver = self._receiver(rank)
         except Exception as exc:  # noqa: BLE001 - a failed load must not take the worker down
-            fetched = dict.fromkeys((load.identifier for load in to_fetch), exc)
+            receiver, fetched = None, dict.fromkeys((load.identifier for load in to_fetch), exc)
+            if to_acknowledge:
+                logger.info("rank=%d: acknowledging cached items %s failed: %s", rank, to_acknowledge, exc)
+        if receiver is not None:
+            if to_acknowledge:
+                self._acknowledge(receiver, to_acknowledge)
+            if not to_fetch:
+                return
+            # One registry call per shard for the whole step, not one per item.
+            try:
+                fetched = receiver.fetch_many([load.identifier for load in to_fetch], timeout_s=self.settings.fetch_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - a failed load must not take the worker down
+                fetched = dict.fromkeys((load.identifier for load in to_fetch), exc)
         for load in to_fetch:
             try:
                 encoder_cache[load.identifier] = self._checked(load, fetched[load.identifier]).to(device=device, dtype=self._dtype)
@@ -106,28 +120,52 @@ class WorkerSide:
 
         try:
             answers = receiver.acknowledge_many(identifiers)
-        except RegistryError as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever failed, the rank holds the items: only tell
             answers = dict.fromkeys(identifiers, exc)
         for identifier, answer in answers.items():
             # The rank holds the item: nothing to fail, only to tell.
-            if isinstance(answer, RegistryError) and not isinstance(answer, AlreadyReleased):
-                logger.info(
-                    "req_id=%s rank=%d: acknowledging a cached item failed: [%s] %s", identifier, receiver.rank, answer.code, answer
-                )
+            if isinstance(answer, BaseException) and not isinstance(answer, AlreadyReleased):
+                code = answer.code if isinstance(answer, RegistryError) else type(answer).__name__
+                logger.info("req_id=%s rank=%d: acknowledging a cached item failed: [%s] %s", identifier, receiver.rank, code, answer)
 
-    def _receiver(self, rank: int) -> Any:
-        if rank not in self._receivers:
-            import ray
+    def _connect(self) -> None:
+        """Join the cluster and find the registry (on the connecting thread, or again in a
+        step after that failed); sets ``self._shards``, raises what failed."""
+        import ray
 
-            from registry.engines.vllm.finder import cluster_address
-            from registry.client.receiver import EmbeddingReceiver
+        from registry.client.shards import Shards
+        from registry.engines.vllm.finder import cluster_address
 
+        try:
             if not ray.is_initialized():
                 # As the scheduler side does: a worker process of vLLM's ``mp`` backend has no Ray
                 # of its own, and Ray's automatic init would start a new local cluster (no registry).
-                ray.init(address=cluster_address(self.settings.ray_address))
+                ray.init(address=cluster_address(self.settings.ray_address), log_to_driver=False)
+            self._shards = Shards.lookup(
+                self.settings.registry_name, self.settings.registry_namespace, timeout_s=self.settings.fetch_timeout_s
+            )
+        except Exception as exc:  # noqa: BLE001 - a step that loads tries again and reports it
+            if threading.current_thread() is self._connecting:
+                logger.info("connecting to the registry failed (%s: %s); the first load tries again", type(exc).__name__, exc)
+                return
+            raise
+
+    def _receiver(self, rank: int) -> Any:
+        """This rank's receiver; raises if the cluster or the registry cannot be reached."""
+        if rank not in self._receivers:
+            from registry.client.receiver import EmbeddingReceiver
+
+            # Waited for once, as long as a fetch may take; later loads fail at once while it hangs.
+            self._connecting.join(0 if self._waited_for_connect else self.settings.fetch_timeout_s)
+            self._waited_for_connect = True
+            if self._connecting.is_alive():
+                raise TimeoutError(f"connecting to the registry has taken over {self.settings.fetch_timeout_s:g} s "
+                                   "(fetch_timeout_s); is ray_address the cluster's?")
+            if self._shards is None:
+                self._connect()
             self._receivers[rank] = EmbeddingReceiver(
-                rank, registry_name=self.settings.registry_name, registry_namespace=self.settings.registry_namespace
+                rank, registry_name=self.settings.registry_name, registry_namespace=self.settings.registry_namespace,
+                shards=self._shards,
             )
         return self._receivers[rank]
 
