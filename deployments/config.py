@@ -92,6 +92,11 @@ class AppConfig(BaseModel):
     max_receive_count: int = Field(64, ge=1, le=4096, description="Largest receive_count a request may ask for.")
     ttl_s: float = Field(180.0, gt=0, description="Seconds a staged entry waits for all its ranks before it expires.")
     encode_timeout_s: float = Field(120.0, gt=0, description="Seconds an entry may stay pending before it expires.")
+    http_pull_grace_s: float = Field(
+        10.0, ge=0, le=600,
+        description="A rank that pulls its items over HTTP is counted when it acknowledges them, or this many seconds "
+        "after its last pull if it does not; until then a pull again (after a dropped connection) gets them again.",
+    )
     tombstone_ttl_s: float = Field(600.0, ge=0, description="Seconds an ended entry is remembered for late callers.")
     max_tombstones: int = Field(10_000, ge=0, description="Most ended entries remembered (oldest dropped first).")
     max_pending_requests: int = Field(
@@ -203,6 +208,7 @@ class AppConfig(BaseModel):
             max_tombstones=self.max_tombstones,
             max_pending_requests=self.max_pending_requests,
             max_staged_bytes=self.max_staged_bytes,
+            http_pull_grace_s=self.http_pull_grace_s,
         )
 
     def registry_settings(self, encoder_app: str, encoder_deployment: str = "Encoder") -> RegistrySettings:

@@ -1,7 +1,10 @@
 """The Ingress's routes for decoder ranks outside Ray, and the operators' listing.
 
-* ``GET /v1/requests/{req_id}/items?rank=N`` (HTTP pull): waits while pending,
-  counts rank N as a receiver, answers the items as one safetensors file.
+* ``GET /v1/requests/{req_id}/items?rank=N`` (HTTP pull): waits while pending and
+  answers the items as one safetensors file. Rank N is counted when it acknowledges
+  (``POST .../acknowledge``) or ``http_pull_grace_s`` after its last pull, never before:
+  a response that did not reach it (a dropped connection, a read that timed out, an
+  object that could not be read) leaves it uncounted, and its pull again gets the items.
 * ``POST /v1/requests/{req_id}/push`` then ``POST .../acknowledge`` (ZMQ push):
   the items go to the rank's bound PULL socket (``deployments.zmq_push``); the
   rank counts only once its receiver acknowledges receipt, so a push that is lost
@@ -88,8 +91,10 @@ class DecoderRoutes:
         rank: int = Query(description="This TP rank, below the request's receive_count."),
         timeout_s: float = Query(30.0, ge=0, le=MAX_WAIT_S, description="Seconds to wait while pending."),
     ) -> Response:
-        """Fetch the items as rank `rank` (counted as its fetch): one safetensors file,
-        tensors `item_0`, `item_1`, ... with their metadata in the header's `__metadata__`."""
+        """Fetch the items as rank `rank`: one safetensors file, tensors `item_0`, `item_1`, ...
+        with their metadata in the header's `__metadata__`. The rank is counted when it
+        acknowledges them (`POST .../acknowledge`) or `http_pull_grace_s` after its last
+        pull; until then a pull again (after a failed one) gets them again."""
         self._authorize(request)
         pairs = await self._call(req_id, "fetch", rank, timeout_s, "http")
         items = await self._read_items(req_id, pairs)
@@ -114,7 +119,7 @@ class DecoderRoutes:
 
     @api.post("/v1/requests/{req_id}/acknowledge", response_model=AcknowledgeAnswer, responses=ERROR_RESPONSES)
     async def post_acknowledge(self, request: Request, req_id: str) -> dict[str, Any]:
-        """Count `rank` as a receiver: after a push arrived, or for a rank that holds the items already."""
+        """Count `rank` as a receiver: after a push arrived or a pull was read, or for a rank that holds the items already."""
         self._authorize(request)
         body = parse_body(AcknowledgeRequest, await read_json(request, _SMALL_BODY_BYTES), req_id)
         return await self._call(req_id, "acknowledge", body.rank, body.timeout_s, body.transport)

@@ -102,6 +102,11 @@ class RequestState(BaseModel):
     state: Literal["pending", "staged", "released", "expired", "cancelled", "failed"]
     receive_count: int
     received_ranks: list[int]
+    delivering_ranks: list[int] = Field(
+        default_factory=list,
+        description="Ranks sent the items over HTTP and not counted yet: counted at their acknowledgement, or "
+        "http_pull_grace_s after their last pull.",
+    )
     items: list[ItemMeta]
 
 

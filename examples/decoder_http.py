@@ -7,9 +7,10 @@ HTTP client; no Ray, no ZMQ::
 
 It posts one image with ``receive_count: 2``, then each rank pulls
 ``GET /v1/requests/{req_id}/items?rank=N`` (which waits while the request is
-pending and counts as that rank's fetch), loads the file with
-``safetensors.torch.load`` and prints what it got as JSON. The entry is released
-after the second pull.
+pending), loads the file with ``safetensors.torch.load``, and acknowledges it with
+``POST /v1/requests/{req_id}/acknowledge``: only then is the rank counted, so a pull
+that failed mid-way could be repeated. It prints what each rank got as JSON. The
+entry is released at the second acknowledgement.
 """
 
 from __future__ import annotations
@@ -27,11 +28,17 @@ def prefill(url: str, req_id: str, rank: int) -> dict:
     with urllib.request.urlopen(request, timeout=60) as response:
         body = response.read()
     tensors = safetensors.torch.load(body)  # {"item_0": tensor, ...}, in the staged dtype
+    # Read whole and loaded: count this rank now (else the service counts it http_pull_grace_s later).
+    acknowledge = urllib.request.Request(f"{url}/v1/requests/{req_id}/acknowledge", headers=headers(),
+                                         data=json.dumps({"rank": rank}).encode())
+    with urllib.request.urlopen(acknowledge, timeout=60) as response:
+        released = json.load(response)["released"]
     # Each item's metadata (mm_hash, shape, model fields) is JSON in the header's __metadata__.
     header = json.loads(body[8 : 8 + int.from_bytes(body[:8], "little")])["__metadata__"]
     metas = [json.loads(header[f"item_{i}"]) for i in range(len(tensors))]
     return {
         "rank": rank,
+        "released": released,
         "items": [{**summary(meta["index"], tensors[f"item_{i}"]), "mm_hash": meta["mm_hash"]} for i, meta in enumerate(metas)],
     }
 

@@ -26,6 +26,8 @@ class Limits:
     # Admission: past either, a new request is refused with ``overloaded``.
     max_pending_requests: int
     max_staged_bytes: int
+    # An HTTP pull counts its rank this long after the rank's last pull (or at its acknowledgement).
+    http_pull_grace_s: float = 10.0
 
 
 DEFAULT_REGISTRY_NAME = "epd_registry"

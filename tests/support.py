@@ -38,6 +38,8 @@ APP_ARGS = {
     "cache_max_bytes": 0,
     "max_request_bytes": 4 * 1024 * 1024,
     "max_item_bytes": 2 * 1024 * 1024,
+    # Short, so a test whose HTTP ranks never acknowledge waits seconds for their release.
+    "http_pull_grace_s": 3.0,
     "model": MODEL_SPEC,
 }
 

@@ -389,7 +389,9 @@ class EmbeddingRegistry:
                 self._timer_wake.clear()
 
     def _log_expiry(self, entry: Entry) -> None:
-        if entry.staged_at is None:
+        if entry.state == RELEASED:  # its last ranks pulled it over HTTP and their grace ended
+            logger.debug("req_id=%s released: ranks %s received it", entry.req_id, sorted(entry.received))
+        elif entry.staged_at is None:
             logger.warning("req_id=%s expired pending: not encoded within encode_timeout_s", entry.req_id)
         else:
             missing = [rank for rank in range(entry.receive_count) if rank not in entry.received]

@@ -8,6 +8,8 @@ these names).
 from __future__ import annotations
 
 import dataclasses
+import heapq
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, ValuesView
 from typing import Any
@@ -36,10 +38,13 @@ class Entry:
     receive_count: int
     created_at: float
     state: str = PENDING
-    deadline: float = 0.0
+    expires_at: float = 0.0  # encode_timeout_s after accept, then ttl_s after staging
+    deadline: float = 0.0  # the next time the timer looks at it: expires_at, or a pull's grace ending first
     items: list[StagedItem] | None = None  # set only while staged
     metas: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     received: dict[int, float] = dataclasses.field(default_factory=dict)  # rank -> first fetch
+    # Ranks sent the items over HTTP, not counted yet: rank -> when it is counted unless it pulls again.
+    delivering: dict[int, float] = dataclasses.field(default_factory=dict)
     endpoints: dict[str, int] = dataclasses.field(default_factory=dict)  # claimed endpoint -> rank
     open_count: bool = False  # accepted with receive_count OPEN: the ranks' claims fix it
     staged_at: float | None = None
@@ -56,6 +61,7 @@ class Entry:
             "state": self.state,
             "receive_count": self.receive_count,
             "received_ranks": sorted(self.received),
+            "delivering_ranks": sorted(self.delivering),
             "items": [dict(m) for m in self.metas],
             "created_at": self.created_at,
             "staged_at": self.staged_at,
@@ -137,3 +143,30 @@ class Tombstones:
 
     def __len__(self) -> int:
         return len(self._ended)
+
+
+class Deadlines:
+    """When each live entry is due next: a heap of (deadline, seq, req_id). A row goes stale
+    when its entry ends or is given another deadline; stale rows are dropped as they surface."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, str]] = []
+        self._seq = itertools.count()
+
+    def set(self, entry: Entry, deadline: float) -> None:
+        entry.deadline = deadline
+        heapq.heappush(self._heap, (deadline, next(self._seq), entry.req_id))
+
+    def next(self, live: dict[str, Entry]) -> tuple[float, str] | None:
+        """The earliest (deadline, req_id) still current among the ``live`` entries."""
+        while self._heap:
+            deadline, _, req_id = self._heap[0]
+            entry = live.get(req_id)
+            if entry is not None and entry.deadline == deadline:
+                return deadline, req_id
+            heapq.heappop(self._heap)
+        return None
+
+    def pop(self) -> None:
+        """Drop the earliest row (``next`` just returned it)."""
+        heapq.heappop(self._heap)

@@ -115,10 +115,13 @@ class RankCalls:
         ``EncodedItem`` in place of the ref.
 
         The caller becomes a borrower of the refs, so it keeps the bytes alive after
-        the registry released them. ``transport`` labels the fetch's metrics: ``ray``
-        for a rank's own call, ``http`` for the Ingress's pull route.
+        the registry released them. ``transport``: ``ray`` for a rank's own call, counted
+        at once (the refs are in the reply it waits for); ``http`` for the Ingress's pull
+        route, whose client may not get the bytes: the rank is counted at its
+        acknowledgement or ``http_pull_grace_s`` after its last pull (``RegistryState.deliver``).
         """
-        result = await self._receive(req_id, rank, timeout_s, _checked_transport(transport, req_id))
+        transport = _checked_transport(transport, req_id)
+        result = await self._receive(req_id, rank, timeout_s, transport, deliver=transport == "http")
         return _pairs(result.items)
 
     async def peek(self, req_id: str, rank: int, timeout_s: float) -> list[tuple[dict[str, Any], ray.ObjectRef]]:
@@ -269,11 +272,12 @@ class RankCalls:
                 await wait_up_to(wake, remaining)
 
     async def _receive(
-        self, req_id: str, rank: int, timeout_s: float, transport: str, count: bool = True, started: float | None = None
+        self, req_id: str, rank: int, timeout_s: float, transport: str, count: bool = True, started: float | None = None,
+        deliver: bool = False,
     ) -> FetchResult:
         """Wait until ``req_id`` is staged and count ``rank`` as a receiver (``fetch``,
-        ``acknowledge``; ``peek`` with ``count=False``). ``started``: when the fetch began,
-        for its latency, if before this call."""
+        ``acknowledge``; ``peek`` with ``count=False``; an HTTP pull with ``deliver``, counted
+        later). ``started``: when the fetch began, for its latency, if before this call."""
         self._ensure_running()  # its counts are published by the actor's background tasks
         self._errors.check_owned(req_id)
         now = time.monotonic()
@@ -281,14 +285,20 @@ class RankCalls:
         started = now if started is None else started
         while True:
             try:
-                result = self._state.fetch(req_id, rank, time.time(), count)
+                if deliver:
+                    result = self._state.deliver(req_id, rank, time.time())
+                else:
+                    result = self._state.fetch(req_id, rank, time.time(), count)
             except RegistryError as exc:
                 self._count_fetch(exc.code, transport, started, count)
                 self._errors.count(exc)
                 raise
             if result is not None:
                 self._count_fetch("released" if result.released else "ok", transport, started, count)
-                if count:
+                if deliver:
+                    logger.debug("req_id=%s rank %d pulled it over http; counted at its acknowledgement or grace end", req_id, rank)
+                    self._changes.changed(req_id)  # its grace may now be the next deadline: the timer looks again
+                elif count:
                     how = "" if transport == "ray" else f" over {transport}"
                     logger.debug("req_id=%s rank %d received it%s%s", req_id, rank, how, "; released" if result.released else "")
                 if result.released:

@@ -19,8 +19,15 @@ Rules:
 
 * ``receive_count`` (1..``max_receive_count``) is fixed at accept; receivers are
   ranks ``0 .. receive_count-1``. Release happens exactly when the last distinct
-  rank fetches; a repeated fetch by a rank returns the same items and does not
+  rank is counted; a repeated fetch by a rank returns the same items and does not
   count again.
+* A rank is counted only once it has the items. A Ray rank's ``fetch`` hands it the refs
+  in the reply it waits for: counted at once. A rank sent the items over HTTP (``deliver``)
+  may not get them (a dropped connection, a read that timed out): it is counted when it
+  acknowledges (``fetch``), or ``http_pull_grace_s`` after its last pull if it does not
+  (a plain HTTP client); until then its repeated pull is answered again. At the ttl, an
+  entry whose every rank is counted or in its grace is not expired: it waits for the
+  graces (each capped at ``ttl_s`` + ``http_pull_grace_s`` after staging) and is released.
 * Ranks known by endpoint (SGLang's protocol: each TP rank registers its receive
   URL and the count): an entry accepted with ``receive_count`` ``OPEN`` takes its
   count from the first ``claim``, which may come before the accept; each distinct
@@ -28,10 +35,10 @@ Rules:
   claim with another count or past the count is refused, a claim of an ended
   entry gets that entry's error at once.
 * Deadlines: a pending entry expires ``encode_timeout_s`` after accept; a staged
-  entry ``ttl_s`` after staging. ``expire_due`` applies them.
-* Admission: a *new* request is refused with ``overloaded`` while ``max_pending_requests``
-  requests are being encoded or the staged bytes (projected over the pending
-  ones) reach ``max_staged_bytes``; retries of live requests are always answered.
+  entry ``ttl_s`` after staging (but see the HTTP graces above). ``expire_due`` applies them.
+* Admission (``registry.server.admission``): a *new* request is refused with ``overloaded``
+  while ``max_pending_requests`` requests are being encoded or the staged bytes (projected
+  over the pending ones) reach ``max_staged_bytes``; retries of live requests are always answered.
 * Accepting a live ``req_id`` again with the same request (items digest and
   receive_count) returns the existing entry; with a different one it is a
   ``conflict``. A released ``req_id`` cannot be reused (``already_released``);
@@ -51,9 +58,10 @@ objects they found lost, which the registry checks before calling ``lose``); a r
 that already holds the bytes acknowledges with the same ``fetch`` and ignores the
 items; a push to a rank outside Ray reads them with ``fetch(count=False)`` and the
 rank is counted by a ``fetch`` when its receiver acknowledges receipt, so a lost
-push never counts; schedulers read ``state_of`` for many req_ids at once, operators
-``list_entries`` page by page; a timer calls
-``expire_due`` at ``next_deadline``. Time is passed in (``now``, seconds) so tests
+push never counts; an HTTP pull reads them with ``deliver``; schedulers read
+``state_of`` for many req_ids at once, operators ``list_entries`` page by page; a
+timer calls ``expire_due`` at ``next_deadline`` (which also counts the HTTP ranks
+whose grace ended). Time is passed in (``now``, seconds) so tests
 drive the clock. ``fetch`` returning ``None`` means "not yet": the caller waits
 for a change to that ``req_id`` (the actor uses events, never polling).
 """
@@ -64,33 +72,12 @@ import heapq
 import itertools
 
 from registry.server.entries import (  # noqa: F401 - re-exported: the lifecycle's names
-    CANCELLED,
-    EXPIRED,
-    FAILED,
-    LIVE_STATES,
-    MAX_LIST_LIMIT,
-    OPEN,
-    PENDING,
-    RELEASED,
-    STAGED,
-    TERMINAL_STATES,
-    UNKNOWN,
-    Entry,
-    FetchResult,
-    Limits,
-    StagedItem,
-    Tombstones,
-    ended_error,
+    CANCELLED, EXPIRED, FAILED, LIVE_STATES, MAX_LIST_LIMIT, OPEN, PENDING, RELEASED, STAGED, TERMINAL_STATES, UNKNOWN,
+    Deadlines, Entry, FetchResult, Limits, StagedItem, Tombstones, ended_error,
 )
 from registry.checks import check_rank
-from registry.errors import (
-    Conflict,
-    InvalidRank,
-    InvalidRequest,
-    Overloaded,
-    RegistryError,
-    UnknownRequest,
-)
+from registry.errors import Conflict, InvalidRank, InvalidRequest, RegistryError, UnknownRequest
+from registry.server.admission import check_admission
 
 _ALLOWED = {
     PENDING: {STAGED, FAILED, CANCELLED, EXPIRED},
@@ -109,8 +96,7 @@ class RegistryState:
         self.limits = limits
         self._live: dict[str, Entry] = {}
         self._ended = Tombstones(lambda: self.limits)  # the limits as they are at each prune
-        self._deadlines: list[tuple[float, int, str]] = []  # heap; stale rows skipped
-        self._seq = itertools.count()
+        self._deadlines = Deadlines()
         # Kept incrementally so stats are O(1) on every change.
         self._live_counts = dict.fromkeys(LIVE_STATES, 0)
         self._staged_bytes = 0
@@ -143,33 +129,14 @@ class RegistryState:
         entry = Entry(req_id, digest, receive_count, created_at=now, open_count=receive_count == OPEN)
         self._live[req_id] = entry
         self._live_counts[PENDING] += 1
-        self._set_deadline(entry, now + self.limits.encode_timeout_s)
+        self._set_expiry(entry, now + self.limits.encode_timeout_s)
         self.totals["accepted"] += 1
         return entry, True
 
     def _admit(self, req_id: str) -> None:
-        """Refuse a new request when pending requests or staged bytes are at their limits.
-
-        Staged bytes are projected: what entries hold now, plus what the pending ones
-        will add at the mean size of the entries staged so far, so a burst of accepted
-        requests cannot overshoot the budget by much once they land.
-        """
-        limits, pending = self.limits, self._live_counts[PENDING]
-        if pending >= limits.max_pending_requests:
-            raise Overloaded(
-                f"{pending} requests are being encoded (max_pending_requests={limits.max_pending_requests}); retry shortly",
-                req_id,
-                {"retry_after_s": 1},
-            )
-        mean = self._bytes_staged_ever // self.totals["staged"] if self.totals["staged"] else 0
-        projected = self._staged_bytes + pending * mean
-        if projected >= limits.max_staged_bytes:
-            raise Overloaded(
-                f"staged embeddings hold {self._staged_bytes} bytes ({projected} with the requests being encoded); "
-                f"the limit is {limits.max_staged_bytes} (max_staged_bytes); retry once ranks have fetched",
-                req_id,
-                {"retry_after_s": 1},
-            )
+        staged = self.totals["staged"]
+        check_admission(self.limits, req_id, pending=self._live_counts[PENDING], staged_bytes=self._staged_bytes,
+                        mean_staged_bytes=self._bytes_staged_ever // staged if staged else 0)
 
     def cancel(self, req_id: str, now: float) -> Entry:
         """Cancel a live entry (dropping its refs); an ended entry is returned as is."""
@@ -203,7 +170,7 @@ class RegistryState:
         self._staged_bytes += entry.nbytes
         self._bytes_staged_ever += entry.nbytes
         self._live_refs += len(items)
-        self._set_deadline(entry, now + self.limits.ttl_s)
+        self._set_expiry(entry, now + self.limits.ttl_s)
         self.totals["staged"] += 1
         return True
 
@@ -269,10 +236,27 @@ class RegistryState:
         if not count:
             return FetchResult(items, released=False)
         entry.received.setdefault(rank, now)
+        if entry.delivering.pop(rank, None) is not None:
+            self._schedule(entry, now)  # its grace no longer sets the deadline
         if len(entry.received) < entry.receive_count:
             return FetchResult(items, released=False)
         self._end(entry, RELEASED, now)
         return FetchResult(items, released=True)
+
+    def deliver(self, req_id: str, rank: int, now: float) -> FetchResult | None:
+        """``fetch`` for a rank sent the items over HTTP, which may not get them: it is not
+        counted now but ``http_pull_grace_s`` after this (its last) pull, or by a ``fetch``
+        (its acknowledgement) before; a pull again meanwhile is answered the same items.
+        A rank counted already is answered as a repeated ``fetch``."""
+        result = self.fetch(req_id, rank, now, count=False)
+        if result is None:
+            return None
+        entry = self._live[req_id]
+        if rank not in entry.received:
+            # Never past ttl_s + the grace after staging, however often the rank pulls again.
+            entry.delivering[rank] = min(now, entry.expires_at) + self.limits.http_pull_grace_s
+            self._schedule(entry, now)
+        return result
 
     def claim(self, req_id: str, endpoint: str, receive_count: int, now: float) -> int | None:
         """The rank number of ``endpoint`` among ``req_id``'s ranks (claimed now if new);
@@ -305,26 +289,34 @@ class RegistryState:
     # --- timer --------------------------------------------------------------------
 
     def next_deadline(self) -> float | None:
-        while self._deadlines:
-            deadline, _, req_id = self._deadlines[0]
-            entry = self._live.get(req_id)
-            if entry is not None and entry.deadline == deadline:
-                return deadline
-            heapq.heappop(self._deadlines)  # stale: entry ended or got a new deadline
-        return None
+        due = self._deadlines.next(self._live)
+        return None if due is None else due[0]
 
     def expire_due(self, now: float) -> list[Entry]:
-        """End every live entry whose deadline has passed; return them. Their tombstones
-        may already be pruned (``tombstone_ttl_s`` 0, ``max_tombstones`` reached): read
-        what happened from the entries returned, not from the table."""
-        expired = []
-        while (deadline := self.next_deadline()) is not None and deadline <= now:
-            _, _, req_id = heapq.heappop(self._deadlines)
-            entry = self._live[req_id]
-            self._end(entry, EXPIRED, now)
-            expired.append(entry)
+        """Apply every deadline that has passed: count the HTTP ranks whose grace ended
+        (releasing an entry they complete), and expire entries past ``expires_at`` unless
+        every rank is counted or in its grace. Returns the entries this ended, released or
+        expired. Their tombstones may already be pruned (``tombstone_ttl_s`` 0,
+        ``max_tombstones`` reached): read what happened from the entries returned."""
+        ended = []
+        while (due := self._deadlines.next(self._live)) is not None and due[0] <= now:
+            self._deadlines.pop()
+            entry = self._live[due[1]]
+            for rank, until in list(entry.delivering.items()):
+                if until <= now:
+                    del entry.delivering[rank]
+                    entry.received.setdefault(rank, now)
+            counted = entry.receive_count != OPEN and len(entry.received) >= entry.receive_count
+            if entry.state == STAGED and counted:
+                self._end(entry, RELEASED, now)
+            elif entry.expires_at <= now and (entry.receive_count == OPEN or len(entry.received) + len(entry.delivering) < entry.receive_count):
+                self._end(entry, EXPIRED, now)
+            else:
+                self._schedule(entry, now, popped=True)
+                continue
+            ended.append(entry)
         self._ended.prune(now)
-        return expired
+        return ended
 
     # --- views --------------------------------------------------------------------
 
@@ -388,6 +380,16 @@ class RegistryState:
         self._ended.add(entry, now)
         self.totals[new_state] += 1
 
-    def _set_deadline(self, entry: Entry, deadline: float) -> None:
-        entry.deadline = deadline
-        heapq.heappush(self._deadlines, (deadline, next(self._seq), entry.req_id))
+    def _set_expiry(self, entry: Entry, expires_at: float) -> None:
+        entry.expires_at = expires_at
+        self._deadlines.set(entry, expires_at)
+
+    def _schedule(self, entry: Entry, now: float, *, popped: bool = False) -> None:
+        """Set the entry's next deadline: its expiry, or a pull's grace ending sooner (only
+        the graces once the expiry has passed). ``popped``: its row was just taken off the
+        heap, so it needs one even if the deadline is the same."""
+        graces = list(entry.delivering.values())
+        expiry = [entry.expires_at] if entry.expires_at > now or not graces else []
+        deadline = min(graces + expiry)
+        if popped or deadline != entry.deadline:
+            self._deadlines.set(entry, deadline)

@@ -51,13 +51,14 @@ engine_python, stack = engine_test.engine_python, engine_test.stack
 
 
 def _pull(http: httpx.Client, app: str, data: bytes) -> "torch.Tensor":
-    """Stage one image, then pull it as rank 0 (which releases it): the staged tensor."""
+    """Stage one image, then pull it as rank 0 and acknowledge it (which releases it): the staged tensor."""
     req_id = f"fidelity-{uuid.uuid4().hex[:10]}"
     body = {"req_id": req_id, "receive_count": 1, "items": [image_item(data)], "wait": True}
     staged = http.post(f"/{app}/v1/encode", json=body)
     assert staged.status_code == 200 and staged.json()["state"] == "staged", staged.text
     pulled = http.get(f"/{app}/v1/requests/{req_id}/items", params={"rank": 0})
     assert pulled.status_code == 200, pulled.text
+    assert http.post(f"/{app}/v1/requests/{req_id}/acknowledge", json={"rank": 0}).json()["released"]
     return safetensors.torch.load(pulled.content)["item_0"]
 
 

@@ -66,6 +66,7 @@ def test_every_metric_the_dashboard_queries_is_exported(cluster, cache_traffic):
     assert "error" not in ray.get(cluster.ranks[0].fetch.remote(ids[0]))
     assert cluster.http.post(f"/v1/requests/{ids[1]}/acknowledge", json={"rank": 0, "transport": "zmq"}).json()["released"]
     assert cluster.http.get(f"/v1/requests/{ids[2]}/items", params={"rank": 0}).status_code == 200
+    assert cluster.http.post(f"/v1/requests/{ids[2]}/acknowledge", json={"rank": 0}).json()["released"]
     assert cluster.http.get(f"/v1/requests/{ids[2]}/items", params={"rank": 0}).status_code == 410
     names = sorted({name for expr in queries(dashboard) for name in re.findall(r"\bray_epd_\w+", expr)})
 
