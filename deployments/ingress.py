@@ -5,7 +5,9 @@ the same code: validate, unwrap the media bytes, hash them and store each large
 item once in the object store (``registry.server.inputs``), hand the refs to the
 registry actor (which calls the encoder and owns the results), answer with the
 entry. Requests that need not wait for staging share registry calls
-(``deployments.submits``).
+(``deployments.submits``). The handle's ``fetch_media`` fetches one URL item under
+the same media policy and answers its bytes and digest, staging nothing (``EPDProxy``
+names URL images by their content with it).
 
 Errors: every failure is a ``RegistryError``; HTTP clients get the error body
 of ``deployments.http_api``; handle callers get the exception itself. The routes
@@ -31,11 +33,12 @@ from ray.serve.handle import DeploymentHandle
 from deployments.config import AppConfig
 from deployments.decoder_routes import DecoderRoutes
 from deployments.http_api import ERROR_RESPONSES, api, as_registry_error, log_once, logger, read_json
-from deployments.schemas import EncodeRequest, RequestState, parse_encode_request
+from deployments.schemas import EncodeRequest, ImageURLItem, RequestState, parse_body, parse_encode_request
 from deployments.sglang_routes import SglangRoutes
 from deployments.submits import SubmitBatcher
 from deployments.zmq_push import ZmqPusher
-from encoder import MediaError, item_media
+from encoder import MediaError, item_media, media_digest
+from encoder.media import media_type
 from registry import MediaInput, media_input
 from registry.errors import InvalidRequest, RegistryError, Unauthorized, Unavailable
 from registry.server.inputs import ref_input
@@ -134,6 +137,35 @@ class Ingress(DecoderRoutes, SglangRoutes):
         except RegistryError as exc:
             log_once(exc)
             raise
+
+    async def fetch_media(self, item: dict[str, Any], req_id: str | None = None) -> dict[str, Any]:
+        """The bytes of one ``image_url`` item, fetched under this app's ``MediaPolicy``: the
+        rules an encode of it follows (``allowed_media_domains``, ``allowed_private_networks``,
+        redirects, ``fetch_timeout_s``, ``max_item_bytes``, ``allowed_local_media_path``).
+        Stages nothing. What a caller that must name an image by its content (``EPDProxy``)
+        calls before it submits the bytes as an ``image_ref`` item.
+
+        Returns:
+            ``{"digest": <encoder.hashing.media_digest of the bytes>, "media_type":
+            <"image/png", ...; "application/octet-stream" when not recognized>, "data": <bytes>}``.
+
+        Raises:
+            InvalidRequest: the item is malformed, or the policy refuses it, or it cannot be
+                fetched (``items[0]: <why>``); it carries ``req_id``, which names the item
+                in the error and in this replica's log.
+        """
+        try:
+            parsed = parse_body(ImageURLItem, item, req_id)
+            try:
+                # Thread: fetching blocks; the hash and the header read scale with the size.
+                data = await asyncio.to_thread(item_media, parsed.model_dump(), self._media_policy)
+            except MediaError as exc:
+                raise InvalidRequest(f"items[0]: {exc}", req_id) from None
+        except RegistryError as exc:
+            log_once(exc)
+            raise
+        digest, kind = await asyncio.to_thread(lambda: (media_digest(data), media_type(data)))
+        return {"digest": digest, "media_type": kind, "data": data}
 
     async def describe(self, req_id: str, wait_s: float = 0.0) -> dict[str, Any]:
         """The entry of ``req_id`` (the ``GET /v1/requests/{req_id}`` body); with ``wait_s``,

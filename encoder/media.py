@@ -56,6 +56,17 @@ def open_image(data: bytes, *, max_pixels: int, min_side: int) -> Image.Image:
     return _to_rgb(image)
 
 
+def media_type(data: bytes) -> str:
+    """The MIME type of image file bytes, from the header alone (``image/png``, ``image/jpeg``,
+    ...); ``application/octet-stream`` for bytes that are no image PIL recognizes. Decodes
+    no pixels: cheap for any size."""
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return Image.MIME.get(image.format or "", "application/octet-stream")
+    except Exception:  # noqa: BLE001 - not an image (the encode says why): no type to name
+        return "application/octet-stream"
+
+
 def _to_rgb(image: Image.Image) -> Image.Image:
     """``image`` as RGB, with any transparency composited onto white."""
     # As transformers' convert_to_rgb and vLLM's convert_image_mode do: convert("RGB")
