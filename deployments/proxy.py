@@ -5,14 +5,21 @@ part, and its encoder-cache connector loads the item's embedding staged under th
 name. The proxy lets ordinary OpenAI clients use that: per chat request
 
 1. parse the body (``deployments.chat_request``; 422 ``invalid_request`` if malformed) and
-   give every ``image_url`` part a content-derived ``uuid`` (the same image for the same
-   vLLM instance and TP size gives the same uuid, so vLLM's prefix and encoder caches
-   keep working). A uuid the client set is replaced (only ours names something staged);
-   for an http(s) URL the uuid is of the URL text, so changed content behind a URL whose
-   entry is still live answers ``conflict``;
+   give every ``image_url`` part a ``uuid`` named by the image's content (the same image for
+   the same vLLM instance and TP size gives the same uuid, so vLLM's prefix and encoder
+   caches keep working; a different image never gets another's uuid, whose cached embedding
+   vLLM would use). A uuid the client set is replaced (only ours names something staged). A
+   ``data:`` URI is named by its text. Any other URL names where content was, not what it
+   is: the proxy fetches it through the epd app's handle (``Ingress.fetch_media``, under the
+   app's ``MediaPolicy``: allowed domains and networks, redirects, size and time limits; the
+   proxy never downloads on its own), names it by the bytes' digest and rewrites the part
+   to a ``data:`` URI of those bytes, so vLLM gets exactly what was encoded and never
+   fetches a third version. A URL the policy refuses, or that fails to fetch, is the
+   client's ``invalid_request``; nothing is staged;
 2. submit each distinct image as a one-item encode (``wait: false``, ``receive_count`` =
-   the TP size) to the epd app, all at once. ``already_released`` is not an error: this
-   vLLM instance already got that content (it uses its own cache or encodes it itself);
+   the TP size) to the epd app, all at once; a fetched image as an ``image_ref`` of its
+   bytes. ``already_released`` is not an error: this vLLM instance already got that
+   content (it uses its own cache or encodes it itself);
 3. forward the body, uuids set, to ``{vllm_url}/v1/chat/completions`` at once (vLLM
    holds the request until the items are staged, so encoding overlaps its
    tokenization) and meanwhile wait for each item to leave ``pending``;
@@ -21,10 +28,12 @@ name. The proxy lets ordinary OpenAI clients use that: per chat request
 
 **Degrade, don't fail** (``local_fallback``, on by default). vLLM's connector encodes an
 item itself when the service cannot deliver it, so the proxy forwards the chat anyway
-when the service fails: a submit that answers ``unavailable``, ``overloaded`` or an error
-of the service's own, or an item that ends failed (other than for a bad image), expired,
-cancelled, or lost with its registry shard. One WARNING line, ``req_id=<uuid>: <why>;
-vLLM encodes it itself``, says which and why (``ITEM_ERROR_ACTIONS`` decides per code).
+when the service fails: a fetch or a submit that answers ``unavailable``, ``overloaded`` or
+an error of the service's own, or an item that ends failed (other than for a bad image),
+expired, cancelled, or lost with its registry shard. One WARNING line, ``req_id=<uuid>:
+<why>; vLLM encodes it itself``, says which and why (``ITEM_ERROR_ACTIONS`` decides per
+code). A URL the service could not fetch is forwarded as it came, under a random uuid:
+vLLM fetches it itself, and caches nothing under a name a later chat could reuse.
 A client's error (``invalid_request``: a bad image or URL; ``payload_too_large``;
 ``conflict``) fails the chat with its code either way, and closes the upstream request;
 with ``local_fallback: false`` every item error does.
@@ -57,10 +66,12 @@ the ``ProxyConfig`` keys under ``args``.
 
 # No `from __future__ import annotations`: FastAPI reads the route methods' annotations at runtime.
 import asyncio
+import base64
 import logging
 from typing import Any, Awaitable, Iterable
 
 import httpx
+import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
@@ -68,7 +79,7 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, RayServeException
 from ray.serve.handle import DeploymentHandle
 
-from deployments.chat_request import ChatRequest, content_uuid, parse_chat_request
+from deployments.chat_request import ChatRequest, content_uuid, fetched_uuid, parse_chat_request
 from deployments.config import ProxyConfig
 from deployments.http_api import error_response, read_body
 from deployments.upstream import Upstream
@@ -210,6 +221,24 @@ class EPDProxy:
             logger.error("calling the encoder app's %s failed", method, exc_info=exc)
             raise RegistryError("the proxy failed calling the encoder service; the cause is in the proxy's log") from None
 
+    async def _fetch(self, chat: ChatRequest, name: str) -> None:
+        """Fetch the URL image provisionally named ``name`` through the encoder app, under its
+        media policy, and name it by its bytes (``ChatRequest.name_fetched``); raise what fails
+        the chat. Left to vLLM (the part as it came), the name stays random."""
+        item = {"type": "image_url", "image_url": {"url": chat.urls[name]}}
+        try:
+            fetched = await self._call_encoder("fetch_media", item, name)
+        except RegistryError as exc:
+            self._on_item_error(chat, name, exc, "fetching it failed")
+            return
+        data, cfg = fetched["data"], self._config
+        # A thread: base64 and the object store's copy of a large image block.
+        data_uri, ref = await asyncio.to_thread(
+            lambda: (f"data:{fetched['media_type']};base64,{base64.b64encode(data).decode()}", ray.put(data))
+        )
+        part_uuid = fetched_uuid(cfg.vllm_url, cfg.tensor_parallel_size, fetched["digest"])
+        chat.name_fetched(name, part_uuid, data_uri, {"type": "image_ref", "image_ref": ref})
+
     async def _submit(self, chat: ChatRequest, req_id: str) -> str:
         """Submit one item; its state (``released`` for ``already_released``, or ``_FALLBACK``)."""
         body = {
@@ -332,6 +361,7 @@ class EPDProxy:
             cfg = self._config
             # Threads: parsing and hashing data URIs block.
             chat = await asyncio.to_thread(parse_chat_request, raw, cfg.vllm_url, cfg.tensor_parallel_size)
+            await _all_or_first_error(self._fetch(chat, name) for name in list(chat.urls))
             answer = await self._attempt(request, chat, may_retry=True)
             if answer is None:
                 answer = await self._attempt(request, chat, may_retry=False)

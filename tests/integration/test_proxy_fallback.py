@@ -2,15 +2,18 @@
 the item itself), a client's bad image still fails it, and a chat vLLM fails after
 accepting it is sent once more.
 
-The encoder app here is scripted: a real Serve app whose ``encode`` and ``describe``
-answer by the image URL's file name (``submit-overloaded.png`` is refused as overloaded,
-``ends-failed.png`` is accepted and then ends failed, ...), so each decision of the proxy
-is driven exactly. vLLM is the stand-in of ``tests/standin_vllm.py``.
+The encoder app here is scripted: a real Serve app whose ``fetch_media``, ``encode`` and
+``describe`` answer by the image URL's file name (``fetch-unavailable.png`` cannot be
+fetched, ``submit-overloaded.png`` is refused as overloaded, ``ends-failed.png`` is accepted
+and then ends failed, ...), so each decision of the proxy is driven exactly. A fetched
+image's bytes are its file name. vLLM is the stand-in of ``tests/standin_vllm.py``.
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import hashlib
 import re
 from typing import Any
 
@@ -28,6 +31,7 @@ from support import DRAIN, deployed, log_lines_since, log_offsets, wait_until
 ENCODER_APP = "scripted-encoder"
 # The scripted outcomes: file name -> (status, code) of the chat without local_fallback.
 SERVICE_FAILURES = {
+    "fetch-unavailable.png": (503, "unavailable"),  # the service could not be asked to fetch it
     "submit-overloaded.png": (429, "overloaded"),
     "submit-unavailable.png": (503, "unavailable"),
     "ends-failed.png": (500, "encode_failed"),
@@ -53,8 +57,17 @@ class ScriptedEncoder:
         self._names: dict[str, str] = {}
         self._submitted: list[str] = []
 
+    async def fetch_media(self, item: dict[str, Any], req_id: str) -> dict[str, Any]:
+        name = item["image_url"]["url"].rsplit("/", 1)[-1]
+        if name == "fetch-unavailable.png":
+            raise Unavailable("the registry actor is not reachable; retry shortly", req_id)
+        if name == "fetch-invalid.png":
+            raise InvalidRequest("items[0]: could not fetch https://images.example/fetch-invalid.png", req_id)
+        return {"digest": hashlib.blake2b(name.encode(), digest_size=16).hexdigest(), "media_type": "image/png",
+                "data": name.encode()}
+
     async def encode(self, body: dict[str, Any]) -> dict[str, Any]:
-        req_id, name = body["req_id"], body["items"][0]["image_url"]["url"].rsplit("/", 1)[-1]
+        req_id, name = body["req_id"], (await body["items"][0]["image_ref"]).decode()
         self._submitted.append(req_id)
         if name == "submit-overloaded.png":
             raise Overloaded("the encoder queue is full; retry later", req_id)
@@ -126,6 +139,11 @@ def test_a_failing_service_degrades_to_vllm_encoding_the_image(proxies, name):
     assert (response.status_code, response.json()) == (200, COMPLETION), response.text
     assert len(proxies.upstream.chats()) == before + 1
     req_id = forwarded_uuid(proxies.upstream)  # forwarded with its uuid: vLLM finds no entry and encodes it
+    forwarded = proxies.upstream.chats()[-1]["json"]["messages"][0]["content"][1]["image_url"]["url"]
+    if name.startswith("fetch-"):  # not fetched: as it came, for vLLM to fetch
+        assert forwarded == chat(name)["messages"][0]["content"][1]["image_url"]["url"]
+    else:  # the bytes the service fetched, as a data: URI
+        assert forwarded == f"data:image/png;base64,{base64.b64encode(name.encode()).decode()}"
     code = SERVICE_FAILURES[name][1]
     found = wait_until(lambda: lines_with(f"req_id={req_id}: ", offsets), 20, what=f"the line about {req_id}")
     assert len(found) == 1 and f"[{code}]" in found[0] and found[0].rstrip().endswith("vLLM encodes it itself"), found
@@ -139,11 +157,12 @@ def test_without_local_fallback_the_item_s_error_fails_the_chat(proxies, name):
     response = proxies.strict.post("/v1/chat/completions", json=chat(name))
     status, code = SERVICE_FAILURES[name]
     assert (response.status_code, response.json()["error"]["code"]) == (status, code), response.text
-    if name.startswith("submit-"):
+    if name.startswith(("fetch-", "submit-")):
         assert len(proxies.upstream.chats()) == before  # refused before anything was forwarded
 
 
-@pytest.mark.parametrize("name, where", [("submit-invalid.png", "submit"), ("ends-invalid.png", "encode")])
+@pytest.mark.parametrize("name, where", [("fetch-invalid.png", "fetch"), ("submit-invalid.png", "submit"),
+                                         ("ends-invalid.png", "encode")])
 def test_a_client_s_bad_image_fails_the_chat_either_way(proxies, name, where):
     offsets = log_offsets()
     response = proxies.fallback.post("/v1/chat/completions", json=chat(name))

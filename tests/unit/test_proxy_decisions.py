@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from deployments.chat_request import parse_chat_request
+from deployments.chat_request import content_uuid, fetched_uuid, parse_chat_request
 from deployments.proxy import ITEM_ERROR_ACTIONS
 from deployments.schemas import REQ_ID_PATTERN
 from deployments.upstream import _event_verdict
@@ -54,22 +54,58 @@ def test_stream_events_that_hold_or_commit_the_relay(raw, verdict):
     assert _event_verdict(raw) == verdict
 
 
+A_URI, B_URI = "data:image/png;base64,QUFB", "data:image/png;base64,QkJC"
+
+
+def image(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
 def test_a_retry_names_each_image_afresh_everywhere_it_appears():
-    image = {"type": "image_url", "image_url": {"url": "https://images.example/a.png"}}
-    other = {"type": "image_url", "image_url": {"url": "https://images.example/b.png"}}
-    body = {"messages": [{"role": "user", "content": [image, other]}, {"role": "user", "content": [image]}]}
+    body = {"messages": [{"role": "user", "content": [image(A_URI), image(B_URI), image("https://images.example/c.png")]},
+                         {"role": "user", "content": [image(A_URI)]}]}
     chat = parse_chat_request(json.dumps(body).encode(), "http://vllm", 2)
+    (url_name,) = chat.urls
+    chat.name_fetched(url_name, fetched_uuid("http://vllm", 2, "c" * 32), "data:image/png;base64,Q0ND", {"type": "image_ref"})
     first = [part["uuid"] for m in chat.body["messages"] for part in m["content"]]
-    assert first[0] == first[2] != first[1]
+    assert first[0] == first[3] != first[1]
 
     renamed = chat.rename()
     after = [part["uuid"] for m in chat.body["messages"] for part in m["content"]]
-    assert after == [renamed[first[0]], renamed[first[1]], renamed[first[0]]]
+    assert after == [renamed[first[0]], renamed[first[1]], renamed[first[2]], renamed[first[0]]]
     assert not set(after) & set(first) and all(re.fullmatch(REQ_ID_PATTERN, u) for u in after)
-    assert chat.req_ids == [renamed[first[0]], renamed[first[1]]]
-    assert chat.items[renamed[first[1]]] == {"type": "image_url", "image_url": {"url": "https://images.example/b.png"}}
+    assert chat.req_ids == [renamed[first[0]], renamed[first[1]], renamed[first[2]]]
+    assert chat.items[renamed[first[1]]] == image(B_URI)
+    assert chat.items[renamed[first[2]]] == {"type": "image_ref"}
     assert chat.where[renamed[first[0]]] == "messages[0].content[0]"
     assert json.loads(chat.encoded_body())["messages"][1]["content"][0]["uuid"] == renamed[first[0]]
+
+
+def test_a_url_image_is_named_by_its_fetched_bytes_not_by_its_url():
+    url, other = "https://images.example/a.png", "file:///media/b.png"
+    body = {"messages": [{"role": "user", "content": [image(url), image(other), image(url)]}]}
+    parse = lambda: parse_chat_request(json.dumps(body).encode(), "http://vllm", 2)  # noqa: E731
+    chat, again = parse(), parse()
+    parts = chat.body["messages"][0]["content"]
+    # Until fetched: a random name per distinct URL, nothing to encode, the URL untouched.
+    assert parts[0]["uuid"] == parts[2]["uuid"] != parts[1]["uuid"] and not chat.items
+    assert chat.urls == {parts[0]["uuid"]: url, parts[1]["uuid"]: other}
+    assert not set(chat.urls) & set(again.urls)  # a URL's text names nothing across requests
+    # Fetched: named by the digest of the bytes; two URLs with the same bytes share one name.
+    named = fetched_uuid("http://vllm", 2, "d" * 32)
+    for name in list(chat.urls):
+        chat.name_fetched(name, named, "data:image/png;base64,QUFB", {"type": "image_ref"})
+    assert [p["uuid"] for p in parts] == [named] * 3 and chat.req_ids == [named] and not chat.urls
+    assert [p["image_url"]["url"] for p in parts] == ["data:image/png;base64,QUFB"] * 3
+    assert chat.where == {named: "messages[0].content[0]"}
+    # The same bytes, the same name, for this vLLM instance and TP size only; other bytes, another.
+    assert fetched_uuid("http://vllm", 2, "d" * 32) == named and re.fullmatch(REQ_ID_PATTERN, named)
+    assert len({named, fetched_uuid("http://vllm", 2, "e" * 32), fetched_uuid("http://vllm", 1, "d" * 32),
+                fetched_uuid("http://other", 2, "d" * 32)}) == 4
+    # A data: URI is named by its text at once, as before.
+    (data_part,) = parse_chat_request(json.dumps({"messages": [{"role": "user", "content": [image(A_URI)]}]}).encode(),
+                                      "http://vllm", 2).body["messages"][0]["content"]
+    assert data_part["uuid"] == content_uuid("http://vllm", 2, A_URI)
 
 
 @pytest.fixture
