@@ -1,6 +1,7 @@
 """``EPDProxy`` in front of a stand-in vLLM server: image parts are staged under a
-content-derived ``uuid`` set on the forwarded parts, answers and streams pass through,
-errors keep the service's codes.
+content-derived ``uuid`` set on the forwarded parts (a URL's by the bytes it serves, fetched
+under the app's media policy), answers and streams pass through, errors keep the service's
+codes.
 
 The stand-in (``tests/standin_vllm.py``) is a real HTTP server that records every
 request and answers like vLLM's OpenAI server; the TP ranks that fetch the staged
@@ -10,6 +11,7 @@ items are the session's ``RankActor``s, as vLLM's connector would.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import re
 import threading
@@ -23,7 +25,9 @@ from ray import serve
 from deployments import build_proxy_app
 from deployments.schemas import REQ_ID_PATTERN
 from standin_vllm import CHUNKS, COMPLETION, MODELS, SSE, UPSTREAM_ERROR, StandIn, stand_in_vllm
-from support import DRAIN, data_url, deployed, image_bytes, image_item, wait_until
+from support import (
+    DRAIN, MODEL_SPEC, data_url, deployed, image_bytes, image_item, media_server, reference_embedding, registry_stats, wait_until,
+)
 
 TP = 2
 
@@ -107,6 +111,71 @@ def test_image_parts_are_staged_under_deterministic_uuids(cluster, proxy):
     assert later.status_code == 200 and later.json() == COMPLETION, later.text
     assert proxy.upstream.chats()[-1]["json"]["messages"][1]["content"][0]["uuid"] == uuid_a
     assert "authorization" not in proxy.upstream.chats()[-1]["headers"]
+
+
+def url_chat(*urls: str) -> dict[str, Any]:
+    return chat({"type": "text", "text": "What is it?"}, *({"type": "image_url", "image_url": {"url": u}} for u in urls))
+
+
+def forwarded_images(proxy: Proxy) -> list[tuple[str, str]]:
+    """(uuid, url) of each image part of the last chat vLLM received."""
+    parts = proxy.upstream.chats()[-1]["json"]["messages"][1]["content"]
+    return [(p["uuid"], p["image_url"]["url"]) for p in parts if p["type"] == "image_url"]
+
+
+def staged_embedding(cluster, req_id: str) -> str:
+    """sha256 of the one embedding staged under ``req_id``, as every rank received it (releases it)."""
+    results = ray.get([cluster.ranks[r].fetch.remote(req_id, digests=True) for r in range(TP)])
+    assert all("error" not in result for result in results), results
+    assert len({tuple(result["bytes"]) for result in results}) == 1, results
+    (digest,) = results[0]["bytes"]
+    return digest
+
+
+def embedding_of(image: bytes) -> str:
+    return hashlib.sha256(reference_embedding(image, **MODEL_SPEC).tobytes()).hexdigest()
+
+
+def test_a_url_image_is_named_by_the_content_it_serves_now(cluster, proxy):
+    first, second = image_bytes(64, 48, seed=85), image_bytes(64, 48, seed=86)
+    files = {"/switch.png": first}
+    with media_server(files) as media:
+        one = proxy.client.post("/v1/chat/completions", json=url_chat(f"{media}/switch.png"))
+        assert one.status_code == 200, one.text
+        ((uuid_one, sent_one),) = forwarded_images(proxy)
+        files["/switch.png"] = second  # another image behind the same URL
+        two = proxy.client.post("/v1/chat/completions", json=url_chat(f"{media}/switch.png"))
+        assert two.status_code == 200, two.text
+        ((uuid_two, sent_two),) = forwarded_images(proxy)
+        # The same bytes behind another URL (and the URL twice): the same uuid, one entry.
+        files["/copy.png"] = second
+        three = proxy.client.post("/v1/chat/completions", json=url_chat(f"{media}/copy.png", f"{media}/copy.png"))
+        assert three.status_code == 200, three.text
+        copies = forwarded_images(proxy)
+    assert uuid_one != uuid_two and all(re.fullmatch(REQ_ID_PATTERN, u) for u in (uuid_one, uuid_two))
+    # vLLM gets exactly the bytes that were encoded, never the URL to fetch a third version.
+    assert (sent_one, sent_two) == (data_url(first), data_url(second))
+    assert copies == [(uuid_two, data_url(second))] * 2
+    entries = [entry(cluster, u) for u in (uuid_one, uuid_two)]
+    assert [(e["state"], len(e["items"])) for e in entries] == [("staged", 1)] * 2, entries
+    assert entries[0]["items"][0]["mm_hash"] != entries[1]["items"][0]["mm_hash"]
+    # Each entry holds its own image's embedding.
+    assert staged_embedding(cluster, uuid_one) == embedding_of(first)
+    assert staged_embedding(cluster, uuid_two) == embedding_of(second)
+
+
+def test_a_url_the_media_policy_refuses_fails_the_chat_and_stages_nothing(cluster, proxy):
+    before, accepted = len(proxy.upstream.chats()), registry_stats()["accepted_total"]
+    with media_server({"/img.png": image_bytes(64, 48, seed=87)}) as media:
+        # The server answers, but the app allows the host "localhost" only, not this address.
+        refused = media.replace("localhost", "127.0.0.1") + "/img.png"
+        response = proxy.client.post("/v1/chat/completions", json=url_chat(f"{media}/img.png", refused))
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error["code"] == "invalid_request" and error["req_id"], error
+    assert error["message"].startswith("messages[1].content[2]: ") and "allowed_media_domains" in error["message"], error
+    assert len(proxy.upstream.chats()) == before  # nothing forwarded
+    assert registry_stats()["accepted_total"] == accepted  # nothing staged, the allowed image neither
 
 
 def test_streams_pass_through_chunk_by_chunk(cluster, proxy):
