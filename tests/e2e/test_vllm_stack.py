@@ -5,8 +5,9 @@ OpenAI chat requests to the proxy.
 
 The config is the repository's file with what this machine needs changed: a free port, a
 tiny Qwen2.5-VL checkpoint made here in float32 on both sides, no CPU reservations for
-the encoder (two cores, shared), a 32 MiB KV cache, two registry shards, and encodes that
-wait a second for their batch to fill (so a fault can strike while chats wait). Beside
+the encoder (two cores, shared), a 32 MiB KV cache, two registry shards, encodes that
+wait a second for their batch to fill (so a fault can strike while chats wait), and image
+URLs allowed from this machine's ``localhost`` (a test's media server). Beside
 the E+PD engine it serves a second, monolithic one (``mono``: the same checkpoint, no
 connector): the answer each chat must equal, greedy, in the same token text.
 
@@ -36,10 +37,11 @@ import yaml
 
 import vllm_cpu_env
 from benchmarks.cluster import free_port
-from deployments.chat_request import content_uuid
+from deployments.chat_request import content_uuid, fetched_uuid
+from encoder.hashing import media_digest
 from engine_checkpoints import ENGINE_CHECKPOINTS
 from serve_run import serve_run
-from support import data_url, image_bytes, wait_until
+from support import data_url, image_bytes, media_server, wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MODEL, MONO = "qwen-tiny", "mono"
@@ -77,6 +79,7 @@ def stack_config(checkpoint: str, port: int) -> dict[str, Any]:
     epd = apps["epd"]
     epd["args"]["model"].update(path=checkpoint, dtype="float32")
     epd["args"]["registry_shards"] = 2
+    epd["args"].update(allowed_media_domains=["localhost"], allowed_private_networks=["127.0.0.1/32", "::1/128"])
     for deployment in epd["deployments"]:
         deployment["ray_actor_options"]["num_cpus"] = 0
         if deployment["name"] == "Encoder":
@@ -180,6 +183,28 @@ def test_chats_through_the_proxy_equal_the_monolithic_server_s(stack, stream):
             for image in images:
                 described = http.get(f"/epd/v1/requests/{content_uuid(vllm_url, 1, data_url(image))}").json()
                 assert described["state"] == "released" and described["received_ranks"] == [0], described
+
+
+@pytest.mark.slow
+def test_a_url_serving_another_image_is_answered_from_the_new_image(stack):
+    """One URL serves two images in turn: each chat through the proxy equals the monolithic
+    engine's for the image served at that time, and each was loaded from the service."""
+    images = [image_bytes(96, 80, seed=9400), image_bytes(160, 120, seed=9401)]
+    vllm_url = f"http://127.0.0.1:{stack.url.rsplit(':', 1)[1]}/llm"
+    files: dict[str, bytes] = {}
+    with httpx.Client(base_url=stack.url, timeout=CHAT_TIMEOUT_S) as http, media_server(files) as media:
+        expected = [monolithic(http, [image]) for image in images]
+        assert expected[0] != expected[1], f"the images must change the answer: {expected}"
+        got = []
+        for image in images:
+            files["/switch.png"] = image
+            body = image_chat(MODEL, [image])
+            body["messages"][0]["content"][0]["image_url"]["url"] = f"{media}/switch.png"
+            got.append(answer(http, "/v1/chat/completions", body))
+        assert got == [(200, text) for text in expected], (got, expected, stack.log)
+        for image in images:  # named by its bytes, and loaded from the service by the engine's one rank
+            described = http.get(f"/epd/v1/requests/{fetched_uuid(vllm_url, 1, media_digest(image))}").json()
+            assert described["state"] == "released" and described["received_ranks"] == [0], described
 
 
 def faulted_chats(stack: Stack, seed: int, fault) -> tuple[dict[int, tuple[int, str]], dict[int, str], float]:
