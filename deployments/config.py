@@ -105,6 +105,11 @@ class AppConfig(BaseModel):
     max_staged_bytes: int = Field(
         8 * 1024**3, ge=1, description="Bytes of staged embeddings entries may hold; past it new requests get 429."
     )
+    max_pending_input_bytes: int = Field(
+        2 * 1024**3, ge=1,
+        description="Bytes of media the requests being encoded may hold (their inputs stay in the object store until "
+        "their encode ends); past it new requests get 429.",
+    )
     max_object_store_fraction: float = Field(
         0.5, gt=0, le=0.9,
         description="Also cap staged bytes at this share of the cluster's object store, so it never fills with them.",
@@ -116,6 +121,11 @@ class AppConfig(BaseModel):
         1, ge=1, le=64,
         description="Registry actors; each req_id belongs to one by a stable hash. Admission limits, tombstones "
         "and the cache are split evenly among them. Fixed when the registry is created.",
+    )
+    registry_call_timeout_s: float = Field(
+        30.0, gt=0, le=600,
+        description="Seconds the registry may take to answer an Ingress call, beyond any wait the call asks for; past "
+        "them the call is cancelled and its client gets 503 unavailable.",
     )
     registry_niceness: int | None = Field(
         0, ge=-20, le=19,
@@ -134,6 +144,12 @@ class AppConfig(BaseModel):
         64, ge=1, le=1024,
         description="Most wait=false encode requests an Ingress replica hands the registry in one call: those that "
         "reach it together share a call. 1: one call per request.",
+    )
+    max_waiting_requests: int = Field(
+        256, ge=1,
+        description="Requests an Ingress replica lets wait at once (a describe with wait_s, an HTTP pull, a ZMQ push "
+        "or acknowledgement waiting while pending or for a submit); past it they get 429 at once. Keep it below the "
+        "Ingress's max_ongoing_requests (512), so /health and encodes always find a slot.",
     )
     max_items_per_request: int = Field(16, ge=1, description="Most media items in one encode request.")
     max_video_frames: int = Field(64, ge=1, description="Most frames in one video item.")
@@ -209,6 +225,7 @@ class AppConfig(BaseModel):
             max_pending_requests=self.max_pending_requests,
             max_staged_bytes=self.max_staged_bytes,
             http_pull_grace_s=self.http_pull_grace_s,
+            max_pending_input_bytes=self.max_pending_input_bytes,
         )
 
     def registry_settings(self, encoder_app: str, encoder_deployment: str = "Encoder") -> RegistrySettings:

@@ -65,7 +65,7 @@ def _after(cursor: str | None) -> str | None:
 
 class DecoderRoutes:
     """Routes of ``deployments.ingress.Ingress``, which provides ``_authorize``, ``_call``,
-    ``_call_all``, ``_push_networks`` and ``_pusher``."""
+    ``_call_all``, ``_waiting``, ``_push_networks`` and ``_pusher``."""
 
     @api.get("/v1/requests", response_model=RequestPage, responses=ERROR_RESPONSES)
     async def get_requests(
@@ -90,13 +90,16 @@ class DecoderRoutes:
         req_id: str,
         rank: int = Query(description="This TP rank, below the request's receive_count."),
         timeout_s: float = Query(30.0, ge=0, le=MAX_WAIT_S, description="Seconds to wait while pending."),
+        wait_for_submit: bool = Query(False, description="Also wait (up to timeout_s) for a req_id not submitted "
+                                      "yet, instead of answering 404 unknown_request at once."),
     ) -> Response:
         """Fetch the items as rank `rank`: one safetensors file, tensors `item_0`, `item_1`, ...
         with their metadata in the header's `__metadata__`. The rank is counted when it
         acknowledges them (`POST .../acknowledge`) or `http_pull_grace_s` after its last
         pull; until then a pull again (after a failed one) gets them again."""
         self._authorize(request)
-        pairs = await self._call(req_id, "fetch", rank, timeout_s, "http")
+        with self._waiting(timeout_s, req_id):
+            pairs = await self._call(req_id, "fetch", rank, timeout_s, "http", wait_for_submit, wait_s=timeout_s)
         items = await self._read_items(req_id, pairs)
         body = await asyncio.to_thread(safetensors_bytes, req_id, items)  # a copy of every byte: off the loop
         return Response(
@@ -110,7 +113,8 @@ class DecoderRoutes:
         self._authorize(request)
         body = parse_body(PushRequest, await read_json(request, _SMALL_BODY_BYTES), req_id)
         endpoint = check_endpoint(body.endpoint, self._push_networks, req_id)
-        pairs = await self._call(req_id, "peek", body.rank, body.timeout_s)
+        with self._waiting(body.timeout_s, req_id):
+            pairs = await self._call(req_id, "peek", body.rank, body.timeout_s, body.wait_for_submit, wait_s=body.timeout_s)
         items = await self._read_items(req_id, pairs)
         delivery = uuid.uuid4().hex
         await self._pusher.push(endpoint, frames(req_id, delivery, items), req_id)
@@ -122,7 +126,8 @@ class DecoderRoutes:
         """Count `rank` as a receiver: after a push arrived or a pull was read, or for a rank that holds the items already."""
         self._authorize(request)
         body = parse_body(AcknowledgeRequest, await read_json(request, _SMALL_BODY_BYTES), req_id)
-        return await self._call(req_id, "acknowledge", body.rank, body.timeout_s, body.transport)
+        with self._waiting(body.timeout_s, req_id):
+            return await self._call(req_id, "acknowledge", body.rank, body.timeout_s, body.transport, wait_s=body.timeout_s)
 
     async def _read_items(self, req_id: str, pairs: list[tuple[dict[str, Any], Any]]) -> list[tuple[dict[str, Any], np.ndarray]]:
         """(meta, payload) per item of a fetch's answer: small items came in it, large ones are read here."""

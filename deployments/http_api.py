@@ -7,6 +7,7 @@ Every failure is a ``RegistryError``; HTTP clients get ``{"error": {"code",
 """
 
 # No `from __future__ import annotations` here: FastAPI reads handler annotations at runtime.
+import asyncio
 import json
 from typing import Any
 
@@ -22,6 +23,8 @@ from registry.logs import get_logger, log_error
 logger = get_logger("deployments.ingress")  # the Ingress's lines, whichever module writes them
 
 _RETRY_AFTER_S = "1"
+# Bodies larger than this are parsed off the event loop (read_json).
+PARSE_OFF_LOOP_BYTES = 1024 * 1024
 
 api = FastAPI(
     title="epd-encoder",
@@ -85,8 +88,13 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 async def read_json(request: Request, limit: int) -> Any:
-    """The request body parsed as JSON, at most ``limit`` bytes; else ``invalid_request``."""
-    return parse_json(await read_body(request, limit))
+    """The request body parsed as JSON, at most ``limit`` bytes; else ``invalid_request``.
+    A body over ``PARSE_OFF_LOOP_BYTES`` is parsed on a worker thread: tens of MB take a tenth
+    of a second, which on the event loop would hold up every request of the replica."""
+    raw = await read_body(request, limit)
+    if len(raw) > PARSE_OFF_LOOP_BYTES:
+        return await asyncio.to_thread(parse_json, raw)
+    return parse_json(raw)
 
 
 def parse_json(raw: bytes) -> Any:

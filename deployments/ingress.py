@@ -18,6 +18,7 @@ SGLang's encoder protocol, under ``/sglang``, is ``deployments.sglang_routes``'.
 # No `from __future__ import annotations` here: FastAPI reads the route methods'
 # annotations at runtime, and as strings `request: Request` became a query parameter.
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import time
@@ -40,7 +41,7 @@ from deployments.zmq_push import ZmqPusher
 from encoder import MediaError, item_media, media_digest
 from encoder.media import media_type
 from registry import MediaInput, media_input
-from registry.errors import InvalidRequest, RegistryError, Unauthorized, Unavailable
+from registry.errors import InvalidRequest, Overloaded, RegistryError, Unauthorized, Unavailable
 from registry.server.inputs import ref_input
 from registry.logs import quiet_client_errors, replica_log_format
 from registry.server.create import get_or_create_registry, get_or_create_shards
@@ -63,13 +64,15 @@ class Ingress(DecoderRoutes, SglangRoutes):
         self._push_networks = self._config.push_networks()
         self._pusher = ZmqPusher()
         self._sglang_parts: set[asyncio.Task] = set()  # SGLang parts being served
+        self._waiting_now = 0  # requests waiting in the registry (max_waiting_requests)
         # The registry calls the Encoder this replica was bound to (it must own the results).
         self._settings = self._config.registry_settings(encoder.app_name, encoder.deployment_name)
         self._shards = get_or_create_shards(self._settings)
         self._settings = self._shards.settings  # with the shard count the registry has
         self._submits = SubmitBatcher(self._call_shard, self._config.registry_call_max_requests)
         # Blocking is fine here: the replica serves nothing until its constructor returns.
-        ray.get([call for i in range(len(self._shards)) for call in self._configure(i)])
+        ray.get([call for i in range(len(self._shards)) for call in self._configure(i)],
+                timeout=self._config.registry_call_timeout_s)
 
     def _authorize(self, request: Request) -> None:
         """With a token configured, every route but /health needs ``Authorization: Bearer <token>``."""
@@ -87,19 +90,47 @@ class Ingress(DecoderRoutes, SglangRoutes):
             handle.configure_logging.remote(*replica_log_format()),
         ]
 
-    async def _call(self, req_id: str, method: str, *args: Any) -> Any:
-        """``method`` of the registry shard that holds ``req_id``."""
-        return await self._call_shard(self._shards.index(req_id), method, req_id, *args, req_id=req_id)
+    @contextlib.contextmanager
+    def _waiting(self, wait_s: float, req_id: str):
+        """A request that may wait ``wait_s`` seconds holds one of ``max_waiting_requests``
+        while it does; past them it is ``overloaded`` at once. Each waiting request holds one
+        of the replica's request slots too: without this bound, enough of them took every
+        slot and ``/health`` went unanswered."""
+        if wait_s <= 0:
+            yield
+            return
+        limit = self._config.max_waiting_requests
+        if self._waiting_now >= limit:
+            raise Overloaded(f"{self._waiting_now} requests of this Ingress replica are waiting "
+                             f"(max_waiting_requests={limit}); retry shortly", req_id, {"retry_after_s": 1})
+        self._waiting_now += 1
+        try:
+            yield
+        finally:
+            self._waiting_now -= 1
+
+    async def _call(self, req_id: str, method: str, *args: Any, wait_s: float = 0.0) -> Any:
+        """``method`` of the registry shard that holds ``req_id``; ``wait_s``: how long the
+        call may wait in the registry by its own arguments (its deadline is that and
+        ``registry_call_timeout_s`` more: a registry that is alive but stuck never holds a
+        request slot for good)."""
+        return await self._call_shard(self._shards.index(req_id), method, req_id, *args, req_id=req_id, wait_s=wait_s)
 
     async def _call_all(self, method: str, *args: Any) -> list[Any]:
         """``method`` of every shard, at once."""
         return await asyncio.gather(*(self._call_shard(i, method, *args) for i in range(len(self._shards))))
 
-    async def _call_shard(self, shard: int, method: str, *args: Any, req_id: str | None = None) -> Any:
+    async def _call_shard(self, shard: int, method: str, *args: Any, req_id: str | None = None, wait_s: float = 0.0) -> Any:
         ref = None
+        # A wait the registry will refuse (NaN, negative, past MAX_WAIT_S: it checks) waits nothing.
+        wait_s = wait_s if isinstance(wait_s, (int, float)) and 0 <= wait_s <= MAX_WAIT_S else 0.0
+        deadline_s = wait_s + self._config.registry_call_timeout_s
         try:
             ref = getattr(self._shards.handles[shard], method).remote(*args)
-            return await ref
+            # asyncio.timeout, not wait_for: wait_for's task would hold a failed call's exception
+            # in a cycle with its frame (the request's input pinned until a collection).
+            async with asyncio.timeout(deadline_s):
+                return await ref
         except asyncio.CancelledError:
             # The client went away (Serve cancels the handler): cancel the registry's side too,
             # so an encode it was waiting for is not staged for nobody. Not recursively: Ray
@@ -108,6 +139,10 @@ class Ingress(DecoderRoutes, SglangRoutes):
             if ref is not None:
                 ray.cancel(ref, recursive=False)
             raise
+        except TimeoutError:
+            ray.cancel(ref, recursive=False)
+            logger.warning("req_id=%s: registry shard %d did not answer %s within %g s", req_id, shard, method, deadline_s)
+            raise Unavailable(f"the registry did not answer within {deadline_s:g} s; retry shortly", req_id) from None
         except ray.exceptions.ActorDiedError:
             # Gone for good (a crash is restarted by Ray, under the same handle): bring up a
             # new shard for the next call; this one is told to retry.
@@ -120,9 +155,11 @@ class Ingress(DecoderRoutes, SglangRoutes):
         try:
             settings = self._settings.for_shard(shard)
             self._shards.handles[shard] = await asyncio.to_thread(get_or_create_registry, settings)
-            await asyncio.gather(*self._configure(shard, after_loss=True))
-        except Exception:  # noqa: BLE001 - the next call tries again
-            pass
+            await asyncio.wait_for(asyncio.gather(*self._configure(shard, after_loss=True)), self._config.registry_call_timeout_s)
+            logger.warning("registry shard %d was gone and has been created again (its entries were lost)", shard)
+        except Exception as exc:  # noqa: BLE001 - the next call tries again
+            logger.warning("creating registry shard %d again failed (%s: %s); the next call tries again",
+                           shard, type(exc).__name__, exc)
 
     # --- Python handle ------------------------------------------------------------
 
@@ -167,10 +204,13 @@ class Ingress(DecoderRoutes, SglangRoutes):
         digest, kind = await asyncio.to_thread(lambda: (media_digest(data), media_type(data)))
         return {"digest": digest, "media_type": kind, "data": data}
 
-    async def describe(self, req_id: str, wait_s: float = 0.0) -> dict[str, Any]:
+    async def describe(self, req_id: str, wait_s: float = 0.0, wait_for_submit: bool = False) -> dict[str, Any]:
         """The entry of ``req_id`` (the ``GET /v1/requests/{req_id}`` body); with ``wait_s``,
-        wait up to that long while it is pending. Ended entries carry ``"error"``."""
-        return await self._call(req_id, "describe", wait_s)
+        wait up to that long while it is pending (and, with ``wait_for_submit``, while it is
+        not known yet; else a req_id never seen is ``unknown_request`` at once). Ended entries
+        carry ``"error"``."""
+        with self._waiting(wait_s, req_id):
+            return await self._call(req_id, "describe", wait_s, wait_for_submit, wait_s=wait_s)
 
     async def _encode(self, request: EncodeRequest) -> dict[str, Any]:
         items = [item.model_dump() for item in request.items]
@@ -202,7 +242,7 @@ class Ingress(DecoderRoutes, SglangRoutes):
             digest.update(item.digest.encode())
         media, key = list(inputs), digest.hexdigest()
         if wait:
-            return await self._call(req_id, "submit", media, key, receive_count, True)
+            return await self._call(req_id, "submit", media, key, receive_count, True, wait_s=self._config.encode_timeout_s)
         return await self._submits.submit(self._shards.index(req_id), (req_id, media, key, receive_count))
 
     # --- HTTP ---------------------------------------------------------------------
@@ -221,11 +261,13 @@ class Ingress(DecoderRoutes, SglangRoutes):
 
     @api.get("/v1/requests/{req_id}", response_model=RequestState, responses=ERROR_RESPONSES)
     async def get_request(
-        self, request: Request, req_id: str, wait_s: float = Query(0.0, ge=0, le=MAX_WAIT_S)
+        self, request: Request, req_id: str, wait_s: float = Query(0.0, ge=0, le=MAX_WAIT_S),
+        wait_for_submit: bool = Query(False, description="Wait (up to wait_s) for a req_id not submitted yet, "
+                                      "instead of answering 404 unknown_request at once."),
     ) -> dict[str, Any]:
         """The state of a request; with `wait_s`, wait up to that long while it is pending."""
         self._authorize(request)
-        return await self._call(req_id, "describe", wait_s)
+        return await self.describe(req_id, wait_s, wait_for_submit)
 
     @api.delete("/v1/requests/{req_id}", response_model=RequestState, responses=ERROR_RESPONSES)
     async def delete_request(self, request: Request, req_id: str) -> dict[str, Any]:

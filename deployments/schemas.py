@@ -123,6 +123,9 @@ class PushRequest(_Strict):
     rank: int = Field(description="The receiving TP rank, below the request's receive_count.")
     endpoint: str = Field(description="tcp://<IP>:<port> of the rank's bound PULL socket, inside push_allowed_networks.")
     timeout_s: float = Field(30.0, description="Seconds to wait while the request is pending.")
+    wait_for_submit: bool = Field(
+        False, description="Also wait (up to timeout_s) for a req_id not submitted yet, instead of 404 unknown_request."
+    )
 
 
 class PushAnswer(BaseModel):

@@ -106,7 +106,8 @@ class SglangRoutes:
         except RegistryError as exc:
             return _error(exc, getattr(body, "req_id", None))
         try:
-            claim = await self._call(body.req_id, "claim", endpoint, body.receive_count, self._sglang_wait_s)
+            claim = await self._call(body.req_id, "claim", endpoint, body.receive_count, self._sglang_wait_s,
+                                     wait_s=self._sglang_wait_s)
         except EncodeFailed as exc:
             # Failed before this rank registered: the rank learns why from its socket, as the
             # ranks that registered in time did.
@@ -132,7 +133,7 @@ class SglangRoutes:
             if tokenizer is not None:
                 await self._call(req_id, "claim", tokenizer, 1, 0.0)
             # One call: the registry answers once the part is staged and every rank registered.
-            ready = await self._call(req_id, "endpoints", self._sglang_wait_s)
+            ready = await self._call(req_id, "endpoints", self._sglang_wait_s, wait_s=self._sglang_wait_s)
             if ready["error"] is not None:  # failed, expired or cancelled before delivery
                 raise ready["error"]
             await self._deliver(part, ready["endpoints"], ready["items"])

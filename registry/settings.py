@@ -28,6 +28,8 @@ class Limits:
     max_staged_bytes: int
     # An HTTP pull counts its rank this long after the rank's last pull (or at its acknowledgement).
     http_pull_grace_s: float = 10.0
+    # Bytes of media the pending requests hold; past it, a new request gets ``overloaded``.
+    max_pending_input_bytes: int = 2 * 1024**3
 
 
 DEFAULT_REGISTRY_NAME = "epd_registry"
@@ -93,6 +95,7 @@ class RegistrySettings:
             self.limits,
             max_pending_requests=share(self.limits.max_pending_requests),
             max_staged_bytes=share(self.limits.max_staged_bytes),
+            max_pending_input_bytes=share(self.limits.max_pending_input_bytes),
             max_tombstones=share(self.limits.max_tombstones),
         )
         return dataclasses.replace(self, shard=shard, limits=limits, cache_max_bytes=share(self.cache_max_bytes),

@@ -33,7 +33,10 @@ from registry.errors import NotReady, RegistryError, Unavailable, staged_lost, u
 from registry.client.received_item import ReceivedItem
 from registry.client.shards import Shards
 from registry.checks import check_rank
+from registry.logs import get_logger
 from registry.supervision import gather_within
+
+logger = get_logger(__name__)
 
 # Extra seconds on top of the registry's own timeout before giving up on the call.
 _CALL_GRACE_S = 10.0
@@ -233,8 +236,8 @@ class EmbeddingReceiver:
         try:
             shards = await self._shards_now()
             await asyncio.wait_for(shards.of(req_id).report_lost.remote(req_id), _CALL_GRACE_S)
-        except Exception:  # noqa: BLE001 - e.g. the registry itself restarted: nothing to tell
-            pass
+        except Exception as exc:  # noqa: BLE001 - e.g. the registry itself restarted: nothing to tell
+            logger.info("req_id=%s: telling the registry its objects are lost failed (%s: %s)", req_id, type(exc).__name__, exc)
 
 
 # The blocking calls' event loop: one per process, on a daemon thread, started on first use

@@ -100,7 +100,9 @@ class ZmqEmbeddingReceiver:
         deadline = time.monotonic() + timeout_s
         while True:
             remaining = max(0.0, deadline - time.monotonic())
-            pushed = self._post(req_id, "push", {"rank": self.rank, "endpoint": self.endpoint, "timeout_s": remaining})
+            # A rank's fetch races its encode: wait for a req_id not submitted yet, as a Ray rank's does.
+            pushed = self._post(req_id, "push", {"rank": self.rank, "endpoint": self.endpoint, "timeout_s": remaining,
+                                                 "wait_for_submit": True})
             items = self._collect(req_id, pushed["delivery"], pushed["items"])
             if items is not None:
                 self._post(req_id, "acknowledge", {"rank": self.rank, "transport": "zmq"})

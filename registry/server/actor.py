@@ -14,10 +14,9 @@ embeddings. It adds to the state machine only what needs a process:
 It never blocks its event loop: everything is ``await``ed, and the one blocking
 Serve call (building the handle) runs in a thread.
 
-The decoder ranks' calls (fetch, peek, acknowledge, claim, endpoints, refuse, states,
-watch, report_lost) are methods here, as Ray needs them, that hand over to
-``registry.server.rank_calls.RankCalls``, which gets the same table, metrics, ``Changes``
-and ``CallErrors`` (the shard check, the one place errors are counted and logged).
+The decoder ranks' calls (fetch, peek, acknowledge, claim, endpoints, refuse, states, watch,
+report_lost) are methods here, as Ray needs them, handing over to ``rank_calls.RankCalls``
+(the same table, metrics, ``Changes`` and ``CallErrors``: where errors are counted and logged).
 """
 
 from __future__ import annotations
@@ -218,7 +217,7 @@ class EmbeddingRegistry:
             raise error
         count = self._settings.default_receive_count if receive_count is None else receive_count
         try:
-            entry, created = self._state.accept(req_id, digest, count, time.time())
+            entry, created = self._state.accept(req_id, digest, count, time.time(), sum(item.nbytes for item in items))
         except RegistryError as exc:
             self._errors.count(exc)
             self._metrics.encode_requests.inc(tags={"result": "rejected"})
@@ -236,11 +235,14 @@ class EmbeddingRegistry:
             self._changes.changed(req_id)
         return entry
 
-    async def describe(self, req_id: str, wait_s: float = 0.0) -> dict[str, Any]:
-        """The entry's description; with ``wait_s`` wait up to that long while it is pending."""
+    async def describe(self, req_id: str, wait_s: float = 0.0, wait_for_submit: bool = False) -> dict[str, Any]:
+        """The entry's description; with ``wait_s`` wait up to that long while it is pending.
+        A ``req_id`` never seen is ``unknown_request`` at once, unless ``wait_for_submit``."""
         self._errors.check_owned(req_id)
         deadline = time.monotonic() + check_wait(wait_s, "wait_s", req_id)
         while (remaining := deadline - time.monotonic()) > 0 and not self._decided(req_id):
+            if not wait_for_submit and not self._state.knows(req_id, time.time()):
+                break  # unknown_request, below
             await self._changes.wait(req_id, remaining)
         try:
             return self._state.get(req_id, time.time()).describe()  # unknown_request if never seen
@@ -281,11 +283,11 @@ class EmbeddingRegistry:
 
     # --- decoder ranks: ``RankCalls`` answers (its docstrings say how) ---------------
 
-    async def fetch(self, req_id: str, rank: int, timeout_s: float, transport: str = "ray") -> list[tuple[dict[str, Any], Any]]:
-        return await self._ranks.fetch(req_id, rank, timeout_s, transport)
+    async def fetch(self, req_id: str, rank: int, timeout_s: float, transport: str = "ray", wait_for_submit: bool = True) -> Any:
+        return await self._ranks.fetch(req_id, rank, timeout_s, transport, wait_for_submit)
 
-    async def peek(self, req_id: str, rank: int, timeout_s: float) -> list[tuple[dict[str, Any], Any]]:
-        return await self._ranks.peek(req_id, rank, timeout_s)
+    async def peek(self, req_id: str, rank: int, timeout_s: float, wait_for_submit: bool = True) -> Any:
+        return await self._ranks.peek(req_id, rank, timeout_s, wait_for_submit)
 
     async def fetch_many(self, req_ids: list[str], rank: int, timeout_s: float) -> dict[str, Any]:
         return await self._ranks.fetch_many(req_ids, rank, timeout_s)
@@ -394,6 +396,5 @@ class EmbeddingRegistry:
         elif entry.staged_at is None:
             logger.warning("req_id=%s expired pending: not encoded within encode_timeout_s", entry.req_id)
         else:
-            missing = [rank for rank in range(entry.receive_count) if rank not in entry.received]
-            logger.warning("req_id=%s expired staged: ranks %s fetched it, ranks %s did not within ttl_s",
-                           entry.req_id, sorted(entry.received), missing)
+            missing = sorted(set(range(entry.receive_count)) - set(entry.received))
+            logger.warning("req_id=%s expired staged: ranks %s had it, %s not within ttl_s", entry.req_id, sorted(entry.received), missing)

@@ -47,6 +47,7 @@ class Entry:
     delivering: dict[int, float] = dataclasses.field(default_factory=dict)
     endpoints: dict[str, int] = dataclasses.field(default_factory=dict)  # claimed endpoint -> rank
     open_count: bool = False  # accepted with receive_count OPEN: the ranks' claims fix it
+    input_bytes: int = 0  # the media it holds while pending
     staged_at: float | None = None
     ended_at: float | None = None
     error: RegistryError | None = None

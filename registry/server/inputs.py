@@ -43,6 +43,7 @@ class MediaInput:
     digest: str  # encoder.hashing.media_digest of the bytes: the mm_hash without the model
     data: Media | None = None  # the bytes themselves, for small items
     ref: Any = None  # ray.ObjectRef of the bytes, for the others
+    nbytes: int = 0  # the media's bytes (held until the encode ends: max_pending_input_bytes)
 
     @property
     def payload(self) -> Any:
@@ -88,12 +89,14 @@ async def ref_input(ref: Any, max_bytes: int, timeout_s: float) -> MediaInput:
     if len(data) > max_bytes:
         raise MediaError(f"the image is {len(data)} bytes; the limit is {max_bytes} bytes")
     digest = await asyncio.to_thread(media_digest, data)
-    return MediaInput(digest, data=data) if len(data) <= INLINE_MAX_BYTES else MediaInput(digest, ref=ref)
+    if len(data) <= INLINE_MAX_BYTES:
+        return MediaInput(digest, data=data, nbytes=len(data))
+    return MediaInput(digest, ref=ref, nbytes=len(data))
 
 
 def media_input(media: Media, inline_max_bytes: int = INLINE_MAX_BYTES) -> MediaInput:
     """Hash ``media`` and, if it is larger than ``inline_max_bytes``, store it once (``ray.put``)."""
-    digest = media_digest(media)
-    if _nbytes(media) <= inline_max_bytes:
-        return MediaInput(digest, data=media)
-    return MediaInput(digest, ref=ray.put(media))
+    digest, nbytes = media_digest(media), _nbytes(media)
+    if nbytes <= inline_max_bytes:
+        return MediaInput(digest, data=media, nbytes=nbytes)
+    return MediaInput(digest, ref=ray.put(media), nbytes=nbytes)

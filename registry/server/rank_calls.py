@@ -22,7 +22,7 @@ from typing import Any
 
 import ray
 
-from registry.errors import InvalidRequest, NotReady, RegistryError, Unavailable, staged_lost
+from registry.errors import InvalidRequest, NotReady, RegistryError, Unavailable, UnknownRequest, staged_lost
 from registry.logs import get_logger
 from registry.server.call_errors import CallErrors
 from registry.server.changes import Changes, check_wait, wait_up_to
@@ -108,11 +108,12 @@ class RankCalls:
         self._pushes: dict[tuple[str, int], float] = {}  # (req_id, rank) pushed -> when, until acknowledged
 
     async def fetch(
-        self, req_id: str, rank: int, timeout_s: float, transport: str = "ray"
+        self, req_id: str, rank: int, timeout_s: float, transport: str = "ray", wait_for_submit: bool = True
     ) -> list[tuple[dict[str, Any], ray.ObjectRef]]:
         """Wait until ``req_id`` is staged, count ``rank`` as a receiver, return (meta, ref) per
         item, where a small item (up to ``registry.server.inputs.INLINE_MAX_BYTES``) comes as its
-        ``EncodedItem`` in place of the ref.
+        ``EncodedItem`` in place of the ref. A ``req_id`` never seen is waited for too (a rank's
+        fetch races its encode), unless not ``wait_for_submit``: then it is ``unknown_request``.
 
         The caller becomes a borrower of the refs, so it keeps the bytes alive after
         the registry released them. ``transport``: ``ray`` for a rank's own call, counted
@@ -121,15 +122,18 @@ class RankCalls:
         acknowledgement or ``http_pull_grace_s`` after its last pull (``RegistryState.deliver``).
         """
         transport = _checked_transport(transport, req_id)
-        result = await self._receive(req_id, rank, timeout_s, transport, deliver=transport == "http")
+        result = await self._receive(req_id, rank, timeout_s, transport, deliver=transport == "http",
+                                     wait_for_submit=wait_for_submit)
         return _pairs(result.items)
 
-    async def peek(self, req_id: str, rank: int, timeout_s: float) -> list[tuple[dict[str, Any], ray.ObjectRef]]:
+    async def peek(
+        self, req_id: str, rank: int, timeout_s: float, wait_for_submit: bool = True
+    ) -> list[tuple[dict[str, Any], ray.ObjectRef]]:
         """``fetch`` without counting ``rank``: what the Ingress pushes to a rank outside Ray
         (ZMQ), which is counted only when its receiver acknowledges receipt
         (``acknowledge(..., transport="zmq")``), so a push that is lost never counts."""
         started = time.monotonic()  # the rank's fetch latency runs from its first registration
-        result = await self._receive(req_id, rank, timeout_s, "zmq", count=False)
+        result = await self._receive(req_id, rank, timeout_s, "zmq", count=False, wait_for_submit=wait_for_submit)
         # Remembered only once the rank and the entry checked out: a staged entry, a valid rank.
         self._pushes.setdefault((req_id, rank), started)
         if len(self._pushes) > _MAX_PUSHES_HELD:  # registrations never acknowledged: forget the dead ones
@@ -273,11 +277,12 @@ class RankCalls:
 
     async def _receive(
         self, req_id: str, rank: int, timeout_s: float, transport: str, count: bool = True, started: float | None = None,
-        deliver: bool = False,
+        deliver: bool = False, wait_for_submit: bool = True,
     ) -> FetchResult:
         """Wait until ``req_id`` is staged and count ``rank`` as a receiver (``fetch``,
         ``acknowledge``; ``peek`` with ``count=False``; an HTTP pull with ``deliver``, counted
-        later). ``started``: when the fetch began, for its latency, if before this call."""
+        later). ``started``: when the fetch began, for its latency, if before this call. Not
+        ``wait_for_submit``: a ``req_id`` never seen is ``unknown_request`` at once."""
         self._ensure_running()  # its counts are published by the actor's background tasks
         self._errors.check_owned(req_id)
         now = time.monotonic()
@@ -306,7 +311,10 @@ class RankCalls:
                 return result
             remaining = deadline - time.monotonic()
             lost_by = self._lost_deadline(req_id, now)
-            if lost_by is not None and time.monotonic() >= lost_by:
+            if not wait_for_submit and not self._state.knows(req_id, time.time()):
+                error = UnknownRequest(f"no request with req_id {req_id} is known (or its record has aged out); "
+                                       "to wait for one on its way, ask with wait_for_submit", req_id)
+            elif lost_by is not None and time.monotonic() >= lost_by:
                 error = Unavailable(
                     f"the registry restarted at {self._started_at:.3f} and lost the entries it held; "
                     f"req_id {req_id} is unknown to it: if it was encoded before then, encode it again",

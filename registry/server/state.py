@@ -36,9 +36,8 @@ Rules:
   entry gets that entry's error at once.
 * Deadlines: a pending entry expires ``encode_timeout_s`` after accept; a staged
   entry ``ttl_s`` after staging (but see the HTTP graces above). ``expire_due`` applies them.
-* Admission (``registry.server.admission``): a *new* request is refused with ``overloaded``
-  while ``max_pending_requests`` requests are being encoded or the staged bytes (projected
-  over the pending ones) reach ``max_staged_bytes``; retries of live requests are always answered.
+* Admission (``registry.server.admission``): a *new* request may be refused ``overloaded``
+  (requests, staged bytes, media held); retries of live requests are always answered.
 * Accepting a live ``req_id`` again with the same request (items digest and
   receive_count) returns the existing entry; with a different one it is a
   ``conflict``. A released ``req_id`` cannot be reused (``already_released``);
@@ -51,19 +50,16 @@ Rules:
   ``failed`` by ``lose`` with the error every later fetch gets, so its other ranks
   are told at once instead of each finding the objects gone.
 
-Who calls what: the ingress ``accept``s, ``cancel``s and ``describe``s, ``claim``s
-an endpoint's rank for SGLang's ranks and ``refuse``s what it turned away; the
-registry's encode task ``stage``s or ``fail``s; ranks ``fetch`` (and report
-objects they found lost, which the registry checks before calling ``lose``); a rank
-that already holds the bytes acknowledges with the same ``fetch`` and ignores the
-items; a push to a rank outside Ray reads them with ``fetch(count=False)`` and the
-rank is counted by a ``fetch`` when its receiver acknowledges receipt, so a lost
-push never counts; an HTTP pull reads them with ``deliver``; schedulers read
-``state_of`` for many req_ids at once, operators ``list_entries`` page by page; a
-timer calls ``expire_due`` at ``next_deadline`` (which also counts the HTTP ranks
-whose grace ended). Time is passed in (``now``, seconds) so tests
-drive the clock. ``fetch`` returning ``None`` means "not yet": the caller waits
-for a change to that ``req_id`` (the actor uses events, never polling).
+Who calls what: the ingress ``accept``s, ``cancel``s, ``describe``s, ``claim``s an
+endpoint's rank for SGLang's ranks and ``refuse``s what it turned away; the encode task
+``stage``s or ``fail``s; ranks ``fetch`` (and report objects they found lost, which the
+registry checks before calling ``lose``), and acknowledge with the same ``fetch``; a push
+to a rank outside Ray reads the items with ``fetch(count=False)`` (the rank is counted at
+its receiver's acknowledgement, so a lost push never counts), an HTTP pull with
+``deliver``; schedulers read ``state_of``, operators ``list_entries``; a timer calls
+``expire_due`` at ``next_deadline``. Time is passed in (``now``, seconds) so tests drive
+the clock. ``fetch`` returning ``None`` means "not yet": the caller waits for a change to
+that ``req_id`` (the actor uses events, never polling).
 """
 
 from __future__ import annotations
@@ -99,16 +95,15 @@ class RegistryState:
         self._deadlines = Deadlines()
         # Kept incrementally so stats are O(1) on every change.
         self._live_counts = dict.fromkeys(LIVE_STATES, 0)
-        self._staged_bytes = 0
-        self._bytes_staged_ever = 0
-        self._live_refs = 0
+        self._staged_bytes = self._pending_input_bytes = self._bytes_staged_ever = self._live_refs = 0
         self.totals = dict.fromkeys(("accepted", "staged", *TERMINAL_STATES), 0)
 
     # --- ingress ------------------------------------------------------------------
 
-    def accept(self, req_id: str, digest: str, receive_count: int, now: float) -> tuple[Entry, bool]:
+    def accept(self, req_id: str, digest: str, receive_count: int, now: float, input_bytes: int = 0) -> tuple[Entry, bool]:
         """Create a pending entry, or return the live one for a retry. -> (entry, created).
-        ``receive_count`` ``OPEN``: the ranks' first ``claim`` fixes it."""
+        ``receive_count`` ``OPEN``: the ranks' first ``claim`` fixes it. ``input_bytes``: the
+        media it holds until its encode ends (admission counts them)."""
         self._check_count(receive_count, req_id, open_ok=True)
         live = self._live.get(req_id)
         if live is not None:
@@ -123,20 +118,22 @@ class RegistryState:
         ended = self._ended.get(req_id, now)
         if ended is not None and ended.state == RELEASED:
             raise ended_error(ended)
-        self._admit(req_id)
+        self._admit(req_id, input_bytes)
         if ended is not None:
             self._ended.forget(req_id)  # failed/expired/cancelled: a fresh attempt is allowed
-        entry = Entry(req_id, digest, receive_count, created_at=now, open_count=receive_count == OPEN)
+        entry = Entry(req_id, digest, receive_count, created_at=now, open_count=receive_count == OPEN, input_bytes=input_bytes)
+        self._pending_input_bytes += input_bytes
         self._live[req_id] = entry
         self._live_counts[PENDING] += 1
         self._set_expiry(entry, now + self.limits.encode_timeout_s)
         self.totals["accepted"] += 1
         return entry, True
 
-    def _admit(self, req_id: str) -> None:
+    def _admit(self, req_id: str, input_bytes: int) -> None:
         staged = self.totals["staged"]
         check_admission(self.limits, req_id, pending=self._live_counts[PENDING], staged_bytes=self._staged_bytes,
-                        mean_staged_bytes=self._bytes_staged_ever // staged if staged else 0)
+                        mean_staged_bytes=self._bytes_staged_ever // staged if staged else 0,
+                        pending_input_bytes=self._pending_input_bytes, input_bytes=input_bytes)
 
     def cancel(self, req_id: str, now: float) -> Entry:
         """Cancel a live entry (dropping its refs); an ended entry is returned as is."""
@@ -307,9 +304,10 @@ class RegistryState:
                     del entry.delivering[rank]
                     entry.received.setdefault(rank, now)
             counted = entry.receive_count != OPEN and len(entry.received) >= entry.receive_count
+            in_grace = entry.receive_count != OPEN and len(entry.received) + len(entry.delivering) >= entry.receive_count
             if entry.state == STAGED and counted:
                 self._end(entry, RELEASED, now)
-            elif entry.expires_at <= now and (entry.receive_count == OPEN or len(entry.received) + len(entry.delivering) < entry.receive_count):
+            elif entry.expires_at <= now and not in_grace:
                 self._end(entry, EXPIRED, now)
             else:
                 self._schedule(entry, now, popped=True)
@@ -322,6 +320,10 @@ class RegistryState:
 
     def is_live(self, req_id: str) -> bool:
         return req_id in self._live
+
+    def knows(self, req_id: str, now: float) -> bool:
+        """Whether ``req_id`` has an entry or a tombstone."""
+        return self._find(req_id, now) is not None
 
     def state_of(self, req_id: str, now: float) -> str:
         """The state of ``req_id``'s entry or tombstone, else ``UNKNOWN``. Never raises."""
@@ -342,6 +344,7 @@ class RegistryState:
             "pending": self._live_counts[PENDING],
             "staged": self._live_counts[STAGED],
             "staged_bytes": self._staged_bytes,
+            "pending_input_bytes": self._pending_input_bytes,
             "live_refs": self._live_refs,
             "tombstones": len(self._ended),
             **{f"{name}_total": count for name, count in self.totals.items()},
@@ -364,6 +367,8 @@ class RegistryState:
     def _move(self, entry: Entry, new_state: str) -> None:
         if new_state not in _ALLOWED.get(entry.state, ()):
             raise IllegalTransition(f"{entry.req_id}: {entry.state} -> {new_state} is not allowed")
+        if entry.state == PENDING:
+            self._pending_input_bytes -= entry.input_bytes  # its encode ended: its media is let go
         self._live_counts[entry.state] -= 1
         if new_state in self._live_counts:
             self._live_counts[new_state] += 1

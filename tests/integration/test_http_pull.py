@@ -125,5 +125,8 @@ def test_http_pull_waits_while_pending_and_refuses_bad_ranks(cluster):
     response = pull(cluster, req_id, 0, timeout_s=30)
     assert response.status_code == 200 and pulled_digests(response.content) == EXPECTED[:1]
     assert acknowledge(cluster, req_id, 0)["released"] is True
-    unknown = pull(cluster, f"never-{uuid.uuid4().hex[:8]}", 0, timeout_s=0)
-    assert unknown.status_code == 504 and unknown.json()["error"]["code"] == "not_ready"
+    never = f"never-{uuid.uuid4().hex[:8]}"
+    unknown = pull(cluster, never, 0, timeout_s=30)  # never seen: at once, not after timeout_s
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "unknown_request"
+    late = pull(cluster, never, 0, timeout_s=0, wait_for_submit="true")  # asked to wait for a submit: none came
+    assert late.status_code == 504 and late.json()["error"]["code"] == "not_ready"

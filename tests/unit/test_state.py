@@ -332,3 +332,20 @@ def test_expire_due_returns_every_entry_it_ended_even_when_its_tombstone_is_gone
     expired = state.expire_due(10.0)  # all four in one tick
     assert [(e.req_id, e.state, sorted(e.received)) for e in expired] == [(f"r{i}", "expired", [0]) for i in range(4)]
     assert state.stats(10.0)["expired_total"] == 4 and state.stats(10.0)["tombstones"] <= changed.get("max_tombstones", 4)
+
+
+def test_admission_counts_the_media_pending_requests_hold_until_their_encode_ends():
+    state = RegistryState(limits(max_pending_input_bytes=1000))
+    big, _ = state.accept("big", "d", 1, 0.0, input_bytes=5000)  # alone: always admitted
+    with pytest.raises(Overloaded, match="max_pending_input_bytes"):
+        state.accept("next", "d", 1, 0.0, input_bytes=1)
+    assert state.stats(0.0)["pending_input_bytes"] == 5000
+    assert state.stage(big, staged_items(), 1.0)  # its encode ended: its media let go
+    first, _ = state.accept("first", "d", 1, 1.0, input_bytes=600)
+    with pytest.raises(Overloaded):
+        state.accept("second", "d", 1, 1.0, input_bytes=600)
+    state.accept("third", "d", 1, 1.0, input_bytes=300)
+    assert state.accept("first", "d", 1, 1.0, input_bytes=600)[1] is False  # a retry is always answered
+    assert state.fail(first, Overloaded("x", "first"), 2.0)
+    state.accept("second", "d", 1, 2.0, input_bytes=600)
+    assert state.stats(2.0)["pending_input_bytes"] == 900
